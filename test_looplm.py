@@ -1,0 +1,201 @@
+"""Tests: each checks a numeric property. Run with `python -m pytest -q` (a few minutes on 2 CPU cores)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from looplm import LoopLM, LoopLMConfig, fixed_point_residual, norm_stats, per_loop_ce, radial_fraction, rms, token_norms
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def tiny(**kw):
+    args = dict(vocab_size=61, block_size=32, n_layer=2, n_head=4, n_embd=32, n_loop=4)
+    args.update(kw)
+    torch.manual_seed(0)
+    return LoopLM(LoopLMConfig(**args)).eval()
+
+
+def batch(B=3, T=16, V=61, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+# ---------------------------------------------------------------- looplm.py: the model core
+def test_one_loop_equals_plain_transformer():
+    # K = 1 is an ordinary n_layer pre-norm GPT with the same weights, written out here independently
+    m = tiny(n_loop=1, readout="norm")
+    idx, _ = batch()
+    x = m.wte(idx) + m.wpe(torch.arange(idx.size(1)))
+    for b in m.blocks:
+        a = b.attn
+        q, k, v = a.c_attn(b.ln_1(x)).split(32, dim=2)
+        q, k, v = (t.view(3, 16, 4, 8).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1) / math.sqrt(8)).masked_fill(torch.ones(16, 16).triu(1).bool(), -1e9)
+        x = x + a.c_proj((att.softmax(-1) @ v).transpose(1, 2).reshape(3, 16, 32))
+        gate, up = b.mlp.c_fc(b.ln_2(x)).chunk(2, -1)
+        x = x + b.mlp.c_proj(F.silu(gate) * up)
+    ref = m.lm_head(m.ln_f(x))
+    logits, _ = m(idx, idx, n_loops=1)
+    assert torch.allclose(logits, ref, atol=1e-5)
+
+
+def test_param_count_independent_of_loops_and_matches_paper():
+    assert tiny(n_loop=1).num_params() == tiny(n_loop=12).num_params()
+    for d, h, L, paper in [(512, 8, 8, 43_935_234), (768, 12, 12, 128_823_554)]:
+        with torch.device("meta"):
+            m = LoopLM(LoopLMConfig(vocab_size=20000, block_size=256, n_layer=L, n_head=h, n_embd=d))
+        assert abs(m.num_params() - paper) / paper < 0.005, (m.num_params(), paper)
+
+
+def test_runs_beyond_training_depth_and_state_count():
+    m = tiny(n_loop=2)
+    idx, _ = batch()
+    assert len(m.loop_states(idx, n_loops=9)) == 9
+    logits, loss = m(idx, n_loops=9)
+    assert logits.shape == (3, 1, 61) and loss is None and torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match="n_loops"):
+        m.loop_states(idx, n_loops=0)
+
+
+@pytest.mark.parametrize("readout", ["norm", "raw", "final_norm"])
+def test_per_loop_loss_is_mean_of_per_loop_ces(readout):
+    m = tiny(readout=readout, per_loop_ce=True)
+    idx, tgt = batch()
+    _, loss = m(idx, tgt)
+    ces = per_loop_ce(m, idx, tgt)
+    assert len(ces) == 4 and abs(loss.item() - sum(ces) / 4) < 1e-5
+    m.config.per_loop_ce = False
+    _, terminal = m(idx, tgt)
+    assert abs(terminal.item() - ces[-1]) < 1e-5
+
+
+def test_norm_penalty_adds_exactly_lambda_mean_square():
+    idx, tgt = batch()
+    base, pen = tiny(per_loop_ce=True), tiny(per_loop_ce=True, norm_penalty=0.01)
+    states = base.loop_states(idx)
+    expect = 0.01 * sum(h.pow(2).mean() for h in states).item() / 4
+    assert expect > 0
+    diff = pen(idx, tgt)[1].item() - base(idx, tgt)[1].item()
+    assert abs(diff - expect) < 1e-7 + 1e-4 * expect
+
+
+def test_radial_fraction_norm_blind_raw_visible():
+    # Lemma 1: a scale-invariant readout has zero radial gradient. RMSNorm's eps is the only
+    # leak, ~eps/(rms²+eps): with eps=0 the fraction is float round-off; with eps=1e-6 at init
+    # (rms ~0.03) it stays under that bound; the raw readout sees the scale (fraction ~1e-1).
+    idx, tgt = batch()
+    norm, raw = tiny(readout="norm"), tiny(readout="raw")
+    h = norm.loop_states(idx)[-1]
+    bound = (1e-6 / (rms(h).pow(2) + 1e-6)).max().item()
+    assert radial_fraction(norm, h, tgt, 4, 4) < bound
+    norm.ln_f.eps = 0.0
+    assert radial_fraction(norm, h, tgt, 4, 4) < 1e-4
+    assert radial_fraction(raw, raw.loop_states(idx)[-1], tgt, 4, 4) > 1e-3
+
+
+def test_final_norm_is_raw_before_last_loop():
+    fn, raw, nm = tiny(readout="final_norm"), tiny(readout="raw"), tiny(readout="norm")
+    h = torch.randn(2, 5, 32) * 7
+    for k in (1, 2, 3):
+        assert torch.equal(fn.readout(h, k, 4), raw.readout(h, k, 4))
+    assert torch.equal(fn.readout(h, 4, 4), nm.readout(h, 4, 4))
+    assert not torch.allclose(fn.readout(h, 3, 4), fn.readout(h, 4, 4))
+
+
+def test_clamp_keeps_loop1_rms():
+    m = tiny()
+    with torch.no_grad():  # make the state grow so the clamp has something to do
+        for b in m.blocks:
+            b.mlp.c_proj.weight.mul_(30)
+    idx, _ = batch()
+    free, clamped = m.loop_states(idx, 8), m.loop_states(idx, 8, clamp=True)
+    assert rms(free[-1]).mean() > 2 * rms(free[0]).mean()
+    for h in clamped[1:]:
+        assert torch.allclose(rms(h), rms(clamped[0]), rtol=1e-5)
+    assert torch.equal(free[0], clamped[0])
+
+
+def test_loop_norm_bounds_state_over_32_loops():
+    idx, _ = batch()
+    for loop_norm in (False, True):
+        m = tiny(loop_norm=loop_norm)
+        with torch.no_grad():
+            for b in m.blocks:
+                b.mlp.c_proj.weight.mul_(30)
+        r = [rms(h).mean().item() for h in m.loop_states(idx, 32)]
+        if loop_norm:
+            assert max(r) < 1.5  # RMSNorm output has RMS ~1 (gain 1 at init)
+        else:
+            assert r[-1] > 5 * r[0]  # without it the scale grows loop after loop
+
+
+@pytest.mark.parametrize("block_norm", ["pre", "post", "sandwich"])
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+def test_every_variant_trains_a_step(block_norm, mlp):
+    m = tiny(block_norm=block_norm, mlp=mlp, per_loop_ce=True, inject=True, norm_penalty=0.01).train()
+    idx, tgt = batch()
+    opt = m.configure_optimizers(0.01, 1e-2)
+    l0 = m(idx, tgt)[1]
+    l0.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+    opt.step()
+    assert m(idx, tgt)[1].item() < l0.item()
+
+
+def test_math_attention_matches_sdpa_and_cache():
+    m = tiny()
+    idx, _ = batch()
+    ref = m.loop_states(idx)[-1]
+    with m.math_attention():
+        assert torch.allclose(m.loop_states(idx)[-1], ref, atol=1e-5)
+    # prefill in two chunks through a per-(loop, layer) cache equals the full pass
+    caches = [[{} for _ in m.blocks] for _ in range(4)]
+    outs = []
+    for lo, hi in ((0, 10), (10, 16)):
+        h0 = m.embed(idx[:, lo:hi], pos0=lo)
+        h = h0
+        for k in range(4):
+            h = m.step(h, h0, caches[k])
+        outs.append(h)
+    assert torch.allclose(torch.cat(outs, 1), ref, atol=1e-5)
+
+
+def test_truncated_backprop_and_checkpoint_gradients():
+    idx, tgt = batch()
+    m = tiny(per_loop_ce=True).train()
+    m(idx, tgt)[1].backward()
+    full = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    m(idx, tgt, checkpoint=True)[1].backward()
+    assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(full, m.parameters()))
+    m.zero_grad()
+    m(idx, tgt, grad_loops=1)[1].backward()
+    assert not all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(full, m.parameters()))
+
+
+def test_diagnostics():
+    s = norm_stats(torch.tensor([3.0, 4.0, 5.0, 100.0]))
+    assert s["max"] == 100 and s["min"] == 3 and s["median"] == 4 and abs(s["mean"] - 28) < 1e-9
+    h = torch.randn(2, 3, 8)
+    assert torch.allclose(token_norms(h), h.norm(dim=-1).flatten())
+    assert abs(fixed_point_residual(h, h * 1.1) - 0.1) < 1e-6 and fixed_point_residual(h, h) == 0
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("readout", "rms", "readout='rms' is invalid; choose one of norm, raw, final_norm"),
+    ("block_norm", "middle", "block_norm"), ("mlp", "relu", "mlp"), ("n_loop", 0, "n_loop"),
+    ("norm_penalty", -1.0, "norm_penalty"), ("n_embd", 30, "divisible"), ("attn", "flash", "attn")])
+def test_bad_config_raises_clear_error(field, value, msg):
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(")):
+        LoopLMConfig(n_head=4, **{field: value})
+
+
+# ---------------------------------------------------------------- stars.py (issue 3)
+
+# ---------------------------------------------------------------- train.py (issues 4, 5, 8)
+
+# ---------------------------------------------------------------- sample.py (issue 6)
+
+# ---------------------------------------------------------------- bench.py (issue 9)
