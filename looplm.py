@@ -260,11 +260,15 @@ class LoopLM(nn.Module):
     def forward(self, idx, targets=None, n_loops=None, grad_loops=None, checkpoint=False):
         """nanoGPT-compatible: (logits, loss). With targets, loss is the training objective
         and logits are the last loop's (all positions); without, only the last position's."""
-        cfg = self.config
-        K = cfg.n_loop if n_loops is None else n_loops
+        K = self.config.n_loop if n_loops is None else n_loops
         states = self.loop_states(idx, K, grad_loops=grad_loops, checkpoint=checkpoint)
         if targets is None:
             return self.readout(states[-1][:, [-1], :], K, K), None
+        return self.objective(states, targets)
+
+    def objective(self, states, targets):
+        """Paper A's training objective from the loop states [H_1..H_K]: (last logits, loss)."""
+        cfg, K = self.config, len(states)
         ce = lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
         logits = self.readout(states[-1], K, K)
         loss = ce(logits)                                   # terminal: CE_K only

@@ -1,0 +1,25 @@
+# Paper B's addition, scaled down for 2 CPU cores (~5 minutes a run):
+# one shared sandwich block, d 128, 4 heads, d_ff 512 GELU, input injected at every loop.
+# python train.py config/addition_cpu.py                                   # baseline, fixed 4 loops
+# python train.py config/addition_cpu.py --loop_sampling lognormal ...     # see README
+task = "addition"
+digits = 4
+n_embd, n_head, n_layer, n_loop = 128, 4, 1, 4
+mlp, mlp_hidden = "gelu", 512
+block_norm = "sandwich"
+inject = True
+dropout = 0.0
+readout = "norm"
+batch_size = 256
+max_iters = 800
+learning_rate = 1e-3
+lr_schedule = "cosine"
+warmup_iters = 50
+min_lr = 1e-4
+weight_decay = 0.01
+loop_mu, loop_sigma, loop_max = 1.2, 0.5, 8
+stars_warmup = 200
+eval_interval = 400
+eval_loops = 32
+out_dir = "out-addition-cpu"
+device = "cpu"

@@ -1,0 +1,19 @@
+# The quick start: a looped LM on real text in ~5 minutes on 2 CPU cores, no download.
+# python train.py config/cpu_tiny.py  (add --readout raw, --norm_penalty 0.01, ... to compare)
+dataset = "pydoc"             # the Python docs that ship with CPython
+tokenizer = "bytes"
+n_embd, n_head, n_layer, n_loop = 128, 4, 2, 4
+block_size = 128
+dropout = 0.0
+batch_size = 16
+learning_rate = 2e-3
+lr_schedule = "cosine"
+warmup_iters = 50
+min_lr = 2e-4
+max_iters = 600
+eval_interval = 300
+eval_iters = 10
+per_loop_ce = True
+out_dir = "out-cpu-tiny"
+device = "cpu"
+sample_tokens = 300

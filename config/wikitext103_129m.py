@@ -1,0 +1,17 @@
+# Paper A's 129M setting (SPEC §1): WikiText-103, seq 256, K = 4, one GPU.
+# Paper A uses its regex tokenizer (vocab 20,000: 128,823,554 params); with GPT-2 BPE the count differs.
+dataset = "wikitext103"
+tokenizer = "regex"
+n_embd, n_head, n_layer, n_loop = 768, 12, 12, 4
+block_size = 256
+dropout = 0.1
+batch_size = 32
+learning_rate = 3e-4          # constant
+lr_schedule = "constant"
+weight_decay = 0.01
+grad_clip = 1.0
+epochs = 4
+eval_interval = 2000
+eval_iters = 40
+per_loop_ce = True
+readout = "norm"              # the failing baseline; --readout raw | final_norm, --norm_penalty 0.01 for the fixes

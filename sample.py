@@ -1,0 +1,395 @@
+"""
+sample.py: sample from a trained looplm checkpoint at any depth, optionally with adaptive depth.
+
+    python sample.py --out_dir out --start "The meaning of life" --n_loops 4
+    python sample.py --out_dir out-addition --start "1234+5678="            # prints 1234+5678=6912
+    python sample.py --out_dir out --exit max_prob --exit_threshold 0.9     # easy tokens exit early
+    python sample.py --out_dir out --eval --exit entropy --exit_threshold 1.5
+    python sample.py --out_dir out --calibrate --exit max_prob              # Paper A's 1.01x-PPL protocol
+
+Depth is a compute dial: the shared stack runs any number of loops and every loop's state can
+be read out (LoopLM.readout). Adaptive depth stops looping for a token as soon as its readout is
+confident enough, so easy tokens cost one loop and hard ones loop on.
+"""
+import argparse
+import math
+import os
+import re
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import train
+
+EXITS = ("max_prob", "margin", "entropy")
+
+
+class CLIError(Exception):
+    """A bad input: main() prints one line on stderr and exits with `code`, no traceback."""
+
+    def __init__(self, msg, code=2):
+        super().__init__(msg)
+        self.code = code
+
+
+# ---- exit criteria: how confident is one loop's readout? -----------------------------------
+def exit_score(logits, exit):
+    """Per-token confidence statistic of the (untempered) readout distribution, shape logits[..., 0]:
+    max_prob = p_top1, margin = p_top1 - p_top2, entropy = H(p) in nats (lower = more confident)."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    if exit == "entropy":
+        return -(logp.exp() * logp).sum(-1)
+    top = logp.topk(2, dim=-1).values.exp()
+    return top[..., 0] if exit == "max_prob" else top[..., 0] - top[..., 1]
+
+
+def exit_ok(score, exit, threshold):
+    """True where the token may stop looping: score >= threshold (entropy: <= threshold)."""
+    return score <= threshold if exit == "entropy" else score >= threshold
+
+
+def new_cache(model, n_loops):
+    """One KV slot per (loop, layer); model.step(h, h0, cache[k]) appends this loop's keys/values."""
+    return [[{} for _ in model.blocks] for _ in range(n_loops)]
+
+
+@torch.no_grad()
+def prefill(model, ctx, n_loops):
+    """A fresh cache holding ctx (B, T) at positions 0..T-1, run at full depth n_loops."""
+    cache = new_cache(model, n_loops)
+    if ctx.size(1) > 0:
+        h0 = h = model.embed(ctx, 0)
+        for slot in cache:
+            h = model.step(h, h0, slot)
+    return cache
+
+
+@torch.no_grad()
+def decode_token(model, tok, pos, cache, n_loops, exit=None, threshold=None):
+    """Run one new token per row, tok (B, 1) at absolute position pos, through up to n_loops
+    loops, appending to cache. Returns (logits (B, V) read out at each row's exit loop,
+    exit loop (B,)). Without `exit` every row runs all n_loops loops."""
+    h0 = model.embed(tok, pos)
+    h, B = h0, tok.size(0)
+    done = torch.zeros(B, dtype=torch.bool, device=tok.device)
+    loops = torch.full((B,), n_loops, device=tok.device)
+    out = None
+    for i in range(n_loops):  # loop k = i + 1
+        # KV-copy rule. A row that exited at loop e never runs loops e+1..K, so the cache slots of
+        # those loops would have no entry at its position, and later tokens running loop k > e
+        # could not attend to it. We copy the token's own loop-e keys/values (layer by layer) into
+        # every deeper slot: later tokens see an exited token as it was when it stopped. It costs
+        # no compute and keeps every slot the same length (test_kv_copy_rule_* checks it).
+        if done.all():  # nobody runs this loop: append the copies
+            for slot, prev in zip(cache[i], cache[i - 1]):
+                for kv in ("k", "v"):
+                    new = prev[kv][:, :, -1:]
+                    slot[kv] = torch.cat([slot[kv], new], 2) if kv in slot else new.clone()
+            continue
+        h_new = model.step(h, h0, cache[i])
+        if done.any():  # the batch ran this loop for every row: undo it for the exited rows
+            h_new = torch.where(done[:, None, None], h, h_new)
+            for slot, prev in zip(cache[i], cache[i - 1]):
+                for kv in ("k", "v"):
+                    slot[kv][done, :, -1] = prev[kv][done, :, -1]
+        h = h_new
+        if exit is None and i < n_loops - 1:
+            continue  # fixed depth: only the last loop is read out
+        logits = model.readout(h[:, -1], i + 1, n_loops)
+        out = logits if out is None else torch.where(done[:, None], out, logits)
+        if exit is not None and i < n_loops - 1:
+            stop = ~done & exit_ok(exit_score(logits, exit), exit, threshold)
+            loops[stop] = i + 1
+            done |= stop
+    return out, loops
+
+
+@torch.no_grad()
+def uncached_logits(model, idx, n_loops, exit=None, threshold=None):
+    """Reference path: recompute the whole context at every loop, read out the last position at
+    its exit loop. Earlier tokens always get all n_loops loops here (no KV-copy rule): this is
+    the "full-depth context" semantics of adaptive_eval, and equals the cached path at fixed depth."""
+    states = model.loop_states(idx, n_loops)
+    out, loops = None, torch.full((idx.size(0),), n_loops, device=idx.device)
+    done = torch.zeros_like(loops, dtype=torch.bool)
+    for k, h in enumerate(states, 1):
+        if exit is None and k < n_loops:
+            continue
+        logits = model.readout(h[:, -1], k, n_loops)
+        out = logits if out is None else torch.where(done[:, None], out, logits)
+        if exit is not None and k < n_loops:
+            stop = ~done & exit_ok(exit_score(logits, exit), exit, threshold)
+            loops[stop], done = k, done | stop
+    return out, loops
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, n_loops, temperature=1.0, top_k=None, exit=None,
+             threshold=None, use_cache=True, generator=None, stop_token=None):
+    """Sample max_new_tokens after idx (B, T). temperature 0 means greedy. Returns (idx with the
+    new tokens appended, stats: loops per new token (B, N), mean_loops, tokens_per_s).
+
+    Prefill: the prompt (all but its last token) runs at full depth n_loops; early exit applies
+    to every position whose readout produces a new token. Cropping: the learned absolute
+    positions stop at block_size, and a sliding window shifts every token's position, which
+    invalidates all cached keys. So once the context is full, each step re-prefills the last
+    block_size - 1 tokens into a fresh cache (nanoGPT's idx[:, -block_size:], at the cost of an
+    uncached step)."""
+    bs, t0, all_loops = model.config.block_size, time.perf_counter(), []
+    cache, pos = None, 0  # pos: absolute position of the next token fed, = tokens in the cache
+    for _ in range(max_new_tokens):
+        if not use_cache:
+            logits, loops = uncached_logits(model, idx[:, -bs:], n_loops, exit, threshold)
+        else:
+            if cache is None or pos == bs:  # start, or the window is full: (re-)prefill
+                ctx = idx[:, -bs:-1]  # the window idx[:, -bs:] without its last token
+                cache, pos = prefill(model, ctx, n_loops), ctx.size(1)
+            logits, loops = decode_token(model, idx[:, -1:], pos, cache, n_loops, exit, threshold)
+            pos += 1
+        all_loops.append(loops)
+        if temperature == 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, nxt], 1)
+        if stop_token is not None and (nxt == stop_token).all():
+            break
+    loops = torch.stack(all_loops, 1) if all_loops else torch.zeros(idx.size(0), 0)
+    dt = time.perf_counter() - t0
+    return idx, {"loops": loops, "mean_loops": loops.float().mean().item() if all_loops else 0.0,
+                 "tokens_per_s": loops.numel() / max(dt, 1e-9)}
+
+
+# ---- measuring the policy on held-out data ----------------------------------------------------
+@torch.no_grad()
+def loop_table(model, x, y, n_loops, exit, batch_size=4):
+    """Teacher-forced, every loop for every token, in parallel: per loop k the targets' NLL, whether
+    the argmax is right, and the exit score, each (K, B, T); mask (B, T) marks targets (y != -1).
+    Simplification (an "oracle-free early-exit readout"): here every token runs all K loops, so
+    later tokens attend to the deep keys of tokens that 'exited' early, unlike cached generation,
+    where the KV-copy rule gives them the exit loop's keys. decode_forced() measures the real thing."""
+    cols = {"nll": [], "correct": [], "score": []}
+    for i in range(0, len(x), batch_size):
+        xb, yb = x[i:i + batch_size], y[i:i + batch_size]
+        rows = {c: [] for c in cols}
+        for k, h in enumerate(model.loop_states(xb, n_loops), 1):
+            logits = model.readout(h, k, n_loops).float()
+            rows["nll"].append(F.cross_entropy(logits.transpose(1, 2), yb, ignore_index=-1, reduction="none"))
+            rows["correct"].append(logits.argmax(-1) == yb)
+            rows["score"].append(exit_score(logits, exit or "max_prob"))
+        for c in cols:
+            cols[c].append(torch.stack(rows[c]))
+    return {**{c: torch.cat(v, 1) for c, v in cols.items()}, "mask": y != -1}
+
+
+def exit_loops(score, exit, threshold):
+    """(K, ...) scores -> 0-based exit loop per token: the first loop that passes, else the last."""
+    ok = exit_ok(score, exit, threshold)
+    ok[-1] = True
+    return ok.int().argmax(0)  # argmax returns the first maximum
+
+
+def summarize(table, exit_idx):
+    """PPL, mean loops and exact match (all targets of a row right) when each token reads out at exit_idx."""
+    pick = lambda t: t.gather(0, exit_idx[None]).squeeze(0)
+    m = table["mask"]
+    return {"ppl": math.exp(pick(table["nll"])[m].mean().item()), "loops": (exit_idx + 1)[m].float().mean().item(),
+            "exact": (pick(table["correct"]) | ~m).all(-1).float().mean().item()}
+
+
+def adaptive_eval(table, exit, threshold):
+    """(fixed-K summary, adaptive summary) from one loop_table."""
+    K = table["nll"].size(0)
+    fixed = summarize(table, torch.full_like(table["mask"], K - 1, dtype=torch.long))
+    return fixed, summarize(table, exit_loops(table["score"], exit, threshold))
+
+
+def calibrate(table, exit, ratio=1.01, n_candidates=200):
+    """Paper A's protocol: the threshold with the fewest mean loops whose PPL stays within ratio x
+    the fixed-K PPL. A sweep over quantiles of the observed scores (no monotonicity assumed); the
+    never-exit threshold (PPL = fixed PPL) is always a candidate, so there is always an answer."""
+    fixed_ppl = adaptive_eval(table, exit, 0.0)[0]["ppl"]
+    s = table["score"][:-1][:, table["mask"]].flatten().sort().values
+    never = -math.inf if exit == "entropy" else math.inf
+    cands = [never] + s[torch.linspace(0, len(s) - 1, min(n_candidates, len(s))).long()].tolist()
+    best = None
+    for thr in cands:
+        r = summarize(table, exit_loops(table["score"], exit, thr))
+        if r["ppl"] <= ratio * fixed_ppl and (best is None or r["loops"] < best[1]["loops"]):
+            best = (thr, r)
+    return best
+
+
+@torch.no_grad()
+def decode_forced(model, x, y, n_loops, exit=None, threshold=None):
+    """Teacher-forced incremental decoding, exactly as generate() runs: batch 1, one token at a
+    time through the KV cache with the KV-copy rule, the context before the first target
+    prefilled at full depth. What adaptive depth really costs and computes."""
+    nll, exact, loops, n, t0 = [], [], [], 0, time.perf_counter()
+    for xr, yr in zip(x, y):
+        exact.append(True)
+        tgt = (yr != -1).nonzero().flatten()
+        first, last = int(tgt[0]), int(tgt[-1])
+        cache = prefill(model, xr[None, :first], n_loops)
+        for t in range(first, last + 1):
+            logits, e = decode_token(model, xr[None, t:t + 1], t, cache, n_loops, exit, threshold)
+            n += 1
+            if yr[t] != -1:
+                nll.append(F.cross_entropy(logits.float(), yr[t:t + 1]).item())
+                exact[-1] &= bool(logits.argmax(-1) == yr[t])
+                loops.append(int(e))
+    dt = time.perf_counter() - t0
+    return {"ppl": math.exp(sum(nll) / len(nll)), "loops": sum(loops) / len(loops),
+            "exact": sum(exact) / len(exact), "tokens_per_s": n / dt}
+
+
+# ---- command line ---------------------------------------------------------------------------
+def eval_data(ckpt, model, n):
+    """(x, y) held-out sequences: evenly spaced validation windows (LM) or addition problems."""
+    cfg = ckpt["config"]
+    if cfg.get("task") == "addition":
+        x, y, _ = train.addition_heldout(cfg["digits"], n or 400, cfg["seed"])
+        return x, y
+    _, val, _ = train.prepare_data(cfg)
+    T = model.config.block_size
+    if len(val) < T + 1:
+        raise CLIError(f"the validation split has {len(val)} tokens, fewer than block_size+1={T + 1}", 1)
+    starts = torch.linspace(0, len(val) - T - 1, n or 16).long().tolist()
+    x = torch.stack([torch.from_numpy(val[i:i + T + 1].astype("int64")) for i in starts])
+    return x[:, :-1], x[:, 1:]
+
+
+def report(model, ckpt, args, device):
+    K, addition = args.n_loops, ckpt["config"].get("task") == "addition"
+    x, y = (t.to(device) for t in eval_data(ckpt, model, args.eval_seqs))
+    exit, thr = args.exit or "max_prob", args.exit_threshold
+    fmt = lambda r: f"PPL {r['ppl']:8.3f}  loops {r['loops']:5.2f}/{K}" + (f"  exact {100 * r['exact']:5.1f}%" if addition else "")
+    if args.calibrate:  # calibrate on the first half, report on the held-out second half
+        half = len(x) // 2
+        thr, r = calibrate(loop_table(model, x[:half], y[:half], K, exit), exit, args.ratio)
+        print(f"calibrated on {half} sequences: --exit {exit} --exit_threshold {thr:.6g} ({fmt(r)})")
+        x, y = x[half:], y[half:]
+    fixed, adaptive = adaptive_eval(loop_table(model, x, y, K, exit), exit, thr)
+    name = f"{exit}{'<=' if exit == 'entropy' else '>='}{thr:.4g}"
+    print(f"teacher-forced, all loops computed ({len(x)} sequences):\n  fixed K={K:<14} {fmt(fixed)}\n"
+          f"  adaptive {name:<16} {fmt(adaptive)}   PPL x{adaptive['ppl'] / fixed['ppl']:.4f}")
+    n = max(1, len(x) // 8)
+    print(f"incremental decoding, batch 1, KV cache + KV-copy rule ({n} sequences):")
+    for label, e in ((f"fixed K={K}", None), (f"adaptive {name}", exit)):
+        r = decode_forced(model, x[:n], y[:n], K, e, thr)
+        print(f"  {label:<23} {fmt(r)}  {r['tokens_per_s']:8.1f} tokens/s")
+
+
+def addition_prompt(start, digits):
+    m = re.fullmatch(r"\s*(\d+)\s*\+\s*(\d+)\s*=?\s*", start)
+    lo, hi = 10 ** (digits - 1), 10 ** digits - 1
+    if not m or not all(lo <= int(v) <= hi for v in m.groups()):
+        raise CLIError(f"this checkpoint adds two {digits}-digit numbers ({lo}..{hi}); got --start {start!r}, "
+                       f"try --start \"{lo}+{hi}=\"")
+    return int(m[1]), int(m[2])
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise CLIError(f"{message} (see python sample.py --help)")
+
+
+def parse_args(argv):
+    p = Parser(description="Sample from a looplm checkpoint at a fixed or adaptive depth.",
+               epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = lambda flag, default, help, **kw: p.add_argument(flag, default=default, help=f"{help} [{kw.pop('show', default)}]", **kw)
+    a("--out_dir", "out", "folder holding ckpt.pt (or the .pt file itself)")
+    a("--start", "\n", 'prompt text, or FILE:path to read it from a file; addition: "1234+5678="', show="newline")
+    a("--num_samples", None, "samples to draw", type=int, show="10; addition 1")
+    a("--max_new_tokens", 500, "tokens generated per sample (addition stops at §)", type=int)
+    a("--temperature", None, "softmax temperature; 0 = greedy", type=float, show="0.8; addition 0")
+    a("--top_k", 200, "sample among the top_k most likely tokens only", type=int)
+    a("--seed", 1337, "random seed of the sampler", type=int)
+    a("--device", "auto", "auto | cpu | cuda | cuda:N")
+    a("--n_loops", None, "K: loops of the shared stack, any K >= 1", type=int, show="the checkpoint's n_loop")
+    a("--exit", None, "adaptive depth: a token stops looping once its readout passes this criterion "
+      "(max_prob, margin = p1-p2: >= threshold; entropy in nats: <= threshold)", choices=EXITS, show="off")
+    a("--exit_threshold", None, "threshold of --exit", type=float, show="none; --calibrate finds one")
+    a("--no_cache", False, "recompute the whole context for every token (slow reference path)", action="store_true")
+    a("--eval", False, "measure fixed K vs adaptive depth on held-out data, then exit", action="store_true")
+    a("--calibrate", False, "find the --exit threshold keeping PPL within --ratio x fixed-K PPL, then --eval it",
+      action="store_true")
+    a("--ratio", 1.01, "--calibrate: allowed PPL ratio to fixed K (Paper A's protocol)", type=float)
+    a("--eval_seqs", None, "held-out sequences for --eval/--calibrate", type=int, show="16 windows; addition 400 problems")
+    args = p.parse_args(argv)
+    for name, lo in (("num_samples", 1), ("max_new_tokens", 0), ("top_k", 1), ("n_loops", 1), ("eval_seqs", 2)):
+        if getattr(args, name) is not None and getattr(args, name) < lo:
+            raise CLIError(f"--{name} {getattr(args, name)} is invalid; it must be >= {lo}")
+    if args.temperature is not None and args.temperature < 0:
+        raise CLIError(f"--temperature {args.temperature} is invalid; it must be >= 0 (0 = greedy)")
+    if args.exit and args.exit_threshold is None and not args.calibrate:
+        raise CLIError(f"--exit {args.exit} needs --exit_threshold (or --calibrate to find one)")
+    if args.exit_threshold is not None and not args.exit:
+        raise CLIError("--exit_threshold needs --exit max_prob|margin|entropy")
+    return args
+
+
+def run(args):
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    ckpt = train.load_checkpoint(args.out_dir, device)
+    model = train.model_from_checkpoint(ckpt, device)
+    tok, cfg = train.get_tokenizer(ckpt["tokenizer"]), ckpt["config"]
+    addition, bs = cfg.get("task") == "addition", model.config.block_size
+    args.n_loops = args.n_loops or model.config.n_loop
+    if args.eval or args.calibrate:
+        return report(model, ckpt, args, device) or 0
+    start = args.start
+    if start.startswith("FILE:"):
+        if not os.path.isfile(start[5:]):
+            raise CLIError(f"prompt file {start[5:]} not found", 1)
+        start = open(start[5:], encoding="utf-8").read()
+    if addition:
+        a, b = addition_prompt(start, cfg["digits"])
+        start = f"{a}+{b}="
+    ids = tok.encode(start)
+    if not ids:
+        raise CLIError("--start is empty: give at least one token of prompt")
+    if len(ids) > bs:
+        raise CLIError(f"the prompt is {len(ids)} tokens, longer than this checkpoint's block_size of {bs}; "
+                       f"shorten --start to at most {bs} tokens")
+    temperature = args.temperature if args.temperature is not None else (0.0 if addition else 0.8)
+    max_new = min(args.max_new_tokens, bs - len(ids)) if addition else args.max_new_tokens
+    torch.manual_seed(args.seed)
+    gen = torch.Generator(device).manual_seed(args.seed)
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    for _ in range(args.num_samples or (1 if addition else 10)):
+        y, stats = generate(model, x, max_new, args.n_loops, temperature, args.top_k, args.exit,
+                            args.exit_threshold, not args.no_cache, gen, tok.encode("§")[0] if addition else None)
+        out = tok.decode(y[0, len(ids):].tolist())
+        if addition:  # the model writes " 2196§": the sum's digits, least significant first
+            digits = out.split("§")[0].strip()
+            ok = digits.isdigit() and int(digits[::-1]) == a + b
+            print(f"{start}{digits[::-1]}" + ("" if ok else f"   (wrong: {a}+{b}={a + b})") + f"   [model wrote {out!r}]")
+        else:
+            print(start + out)
+        print(f"--------------- {stats['loops'].numel()} tokens, {stats['mean_loops']:.2f} loops/token "
+              f"(K={args.n_loops}{', exit ' + args.exit if args.exit else ''}), {stats['tokens_per_s']:.1f} tokens/s")
+    return 0
+
+
+def main(argv=None):
+    try:
+        return run(parse_args(sys.argv[1:] if argv is None else argv))
+    except CLIError as e:
+        code, msg = e.code, str(e)
+    except train.UsageError as e:
+        code, msg = 2, str(e)
+    except train.RunError as e:
+        code, msg = 1, str(e)
+    print(f"sample.py: error: {msg}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

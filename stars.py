@@ -1,0 +1,143 @@
+"""
+stars.py: Paper B's STARS in one screen. It works on any looped model's step function.
+
+A looped model is a dynamical system h_{t+1} = Φ(h_t), where Φ is one pass of the shared
+block. A fixed point of the loop is stable when the spectral radius of J = ∂Φ/∂h is below 1,
+and then extra loops at test time refine the answer instead of making it diverge. STARS
+makes ρ(J) < 1 part of the training loss:
+
+    L = (1 − λ)·L_task + λ·‖Jv‖²        v ~ N(0, I) normalized, at the last loop's state
+
+Here ‖Jv‖ is one step of power iteration from a random direction. It is a cheap proxy for
+ρ(J): E‖Jv‖² = ‖J‖_F²/n, the mean squared singular value of J (n = T·C per sample). Pushing
+it down shrinks the whole spectrum. It costs one extra pass through ONE loop step.
+The number of loops t is sampled per training step (sample_loops).
+
+To use it on another model you need a function step(h) -> next h whose parameters require
+grad. Nothing else in the project is needed:
+
+    pen, rho = jsrr_penalty(step, h_last)
+    loss = stars_objective(task_loss, pen, stars_lambda(it, 0.1, 2000))
+
+Attention caveat: the fused SDPA kernels have no forward-mode AD and no double backward.
+The step must use explicit softmax(QKᵀ/√d)V attention or the math backend. For LoopLM,
+looplm_step_fn takes care of this.
+"""
+import math
+
+import torch
+
+MODES = ("jvp", "vjp")
+KINDS = ("fixed", "lognormal", "poisson_lognormal")
+
+
+def _unit_normal(h, generator):
+    """v ~ N(0, I) with the shape of h, scaled so each sample (dim 0) has ‖v‖ = 1 over its other dims.
+    (The public addition code normalizes once over the whole tensor. Per sample, every sequence's
+    penalty has the same scale whatever the batch size.)"""
+    device = generator.device if generator is not None else h.device
+    v = torch.randn(h.shape, generator=generator, device=device, dtype=h.dtype).to(h.device)
+    return v / v.flatten(1).norm(dim=1).view(-1, *[1] * (h.dim() - 1))
+
+
+def jsrr_penalty(step_fn, h, mode="jvp", generator=None):
+    """Jacobian spectral radius regularizer at state h (batch first).
+
+    mode "jvp": Jv by forward-mode AD (torch.func.jvp). One forward pass that carries a tangent.
+    mode "vjp": vᵀJ by backward through the step with create_graph=True, as in the public STARS
+        code. It gives the same value in expectation because E‖vᵀJ‖² = E‖Jv‖² = ‖J‖_F²/n.
+    Returns (penalty, rho):
+        penalty = mean over the batch of ‖Jv‖². It is differentiable w.r.t. step_fn's parameters,
+            but not w.r.t. h, which is detached as in the public code.
+        rho = ‖Jv‖ per sample, shape (batch,), detached: a one-step estimate of ρ(J) for logging.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is invalid; choose one of {', '.join(MODES)}")
+    h = h.detach().contiguous()  # torch.func.jvp rejects expanded (overlapping) inputs
+    v = _unit_normal(h, generator)
+    if mode == "jvp":
+        # the parameters that step_fn closes over stay ordinary autograd leaves. torch.func.jvp
+        # composes with autograd, so the tangent output jv still has a graph back to them.
+        _, jv = torch.func.jvp(step_fn, (h,), (v,))
+    else:
+        with torch.enable_grad():
+            h = h.requires_grad_(True)
+            (jv,) = torch.autograd.grad(step_fn(h), h, v, create_graph=True)  # this is vᵀJ
+    sq = jv.flatten(1).pow(2).sum(1)  # ‖Jv‖² per sample
+    return sq.mean(), sq.detach().sqrt()
+
+
+@torch.no_grad()
+def spectral_radius(step_fn, h, iters=20, generator=None):
+    """Power-iteration estimate of ρ(J) at h, for evaluation only (no parameter graph).
+
+    Iterate v <- Jv/‖Jv‖ per sample (J is block diagonal over the batch when samples don't
+    interact). Return the geometric mean of the growth factors ‖Jv‖ over the second half of
+    the iterations. The growth factors telescope to (‖J^m u‖/‖u‖)^(1/m), which tends to
+    |λ_max| also when the dominant eigenvalues are a complex pair. For a complex pair the
+    last factor alone would oscillate. For a symmetric J this is the usual power iteration,
+    which converges at the rate |λ₂/λ₁| per step. Result: the per-sample estimate averaged
+    over the batch, as a float. Call it with the model in eval mode (no dropout).
+    """
+    h = h.detach().contiguous()
+    v = _unit_normal(h, generator)
+    logs = []
+    for i in range(iters):
+        _, jv = torch.func.jvp(step_fn, (h,), (v,))
+        norm = jv.flatten(1).norm(dim=1)
+        if i >= iters // 2:
+            logs.append(norm.clamp_min(1e-30).log())
+        v = jv / norm.clamp_min(1e-30).view(-1, *[1] * (h.dim() - 1))
+    return torch.stack(logs).mean(0).exp().mean().item()
+
+
+# ---- how many loops this step: Paper B's lognormal, or Huginn's Poisson-lognormal ----------
+def step_generator(seed, step):
+    """A fresh generator per training step, so a resumed run draws the same depths."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def sample_loops(generator, kind="lognormal", mu=2.0, sigma=0.7, t_max=100, mean_loops=32, backprop=8):
+    """Draw the number of loops for one training step. Deterministic given the generator.
+    fixed:             t_max (the baseline: always the same depth).
+    lognormal:         clip(round(LogNormal(mu, sigma)), 1, t_max). Paper B uses μ=2, σ=0.7,
+                       t_max=100 for addition and μ=1.7, σ=0.4, t_max=16 for the Ouro fine-tune.
+    poisson_lognormal: Huginn's sampler. τ ~ N(log r̄ − σ²/2, σ), so E[e^τ] = r̄ = mean_loops,
+                       and t = min(Poisson(e^τ) + 1, t_max). Returns (no_grad_loops, grad_loops)
+                       = (max(t − b, 0), min(t, b)) for truncated backprop through the last
+                       b = backprop loops (LoopLM.loop_states(..., grad_loops=...)).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is invalid; choose one of {', '.join(KINDS)}")
+    if kind == "fixed":
+        return t_max
+    z = torch.randn((), generator=generator, dtype=torch.float64).item()
+    if kind == "lognormal":
+        return min(max(round(math.exp(mu + sigma * z)), 1), t_max)
+    tau = math.log(mean_loops) - sigma**2 / 2 + sigma * z
+    t = min(int(torch.poisson(torch.tensor(math.exp(tau), dtype=torch.float64), generator=generator)) + 1, t_max)
+    return max(t - backprop, 0), min(t, backprop)
+
+
+# ---- glue for LoopLM (looplm.py) -----------------------------------------------------------
+def looplm_step_fn(model, h0):
+    """LoopLM's loop step as a function of the state alone. h0 is the embedding, which the
+    step adds when config.inject is on, and it is held fixed. The step always runs with
+    explicit attention, so jvp and double backward work even if the model's forward uses SDPA."""
+    h0 = h0.detach()
+
+    def step(h):
+        with model.math_attention():
+            return model.step(h, h0)
+    return step
+
+
+def stars_lambda(step, lam, warmup):
+    """λ is 0 during the first `warmup` training steps (2,000 in the public code), then lam.
+    (While λ is 0 the trainer can skip the penalty pass.)"""
+    return 0.0 if step < warmup else lam
+
+
+def stars_objective(task_loss, penalty, lam):
+    """Paper B's objective: (1 − λ)·L_task + λ·L_JSRR (λ = 0.1)."""
+    return (1 - lam) * task_loss + lam * penalty
