@@ -337,7 +337,10 @@ def parse_args(argv):
 
 def run(args):
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    ckpt = train.load_checkpoint(args.out_dir, device)
+    path = args.out_dir if args.out_dir.endswith(".pt") else os.path.join(args.out_dir, "ckpt.pt")
+    if not os.path.isfile(path):
+        raise CLIError(f"no checkpoint at {path}; train one (python train.py --out_dir DIR) or fix --out_dir", 1)
+    ckpt = train.load_checkpoint(path, device)
     model = train.model_from_checkpoint(ckpt, device)
     tok, cfg = train.get_tokenizer(ckpt["tokenizer"]), ckpt["config"]
     addition, bs = cfg.get("task") == "addition", model.config.block_size

@@ -10,6 +10,7 @@ train.py: train and evaluate looped LMs, on one GPU, on a CPU, or on several pro
 Settings come from, in order: the defaults below, an optional config/*.py file (plain
 assignments), then --name value options. `python train.py --help` lists them all.
 """
+import hashlib
 import json
 import math
 import os
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import stars
+from looplm import CHOICES as MODEL_CHOICES
 from looplm import LoopLM, LoopLMConfig, fixed_point_residual, norm_stats, per_loop_ce, radial_fraction, token_norms
 
 
@@ -95,7 +97,7 @@ HELP = {  # one line per option, shown by --help
     "task": "lm (language modelling) | addition (Paper B's N-digit addition)",
     "dataset": "wikitext103 (Hugging Face) | wikitext2 (--data_dir) | text (--data_files) | pydoc (built in, offline)",
     "data_dir": "folder of WikiText-2 files (train/valid/test .txt or wiki.*.tokens)",
-    "data_files": "comma-separated text files for --dataset text (last 10%% held out for validation)",
+    "data_files": "comma-separated text files for --dataset text (one file: its last 10% is the validation split)",
     "tokenizer": "gpt2 (tiktoken BPE) | bytes (256 symbols) | regex (Paper A's, vocab <= 20,000)",
     "cache_dir": "where tokenized datasets are cached as memmaps",
     "digits": "operand digits for the addition task (2..8)",
@@ -144,6 +146,8 @@ CHOICES = {"init_from": ("scratch", "resume"), "task": ("lm", "addition"), "toke
            "dtype": ("auto", "float32", "bfloat16")}
 # defaults for the model: Paper A's 44M shape (a config file or options override them)
 MODEL_DEFAULTS = dict(block_size=256, n_layer=8, n_head=8, n_embd=512, n_loop=4, dropout=0.1)
+# model settings that shape the weights: a resumed run cannot change them
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "mlp", "mlp_hidden", "block_norm", "loop_norm")
 
 
 class UsageError(Exception):
@@ -170,7 +174,10 @@ def parse_args(argv):
             if not os.path.isfile(a):
                 raise UsageError(f"config file {a} not found; presets are in config/")
             scope = {}
-            exec(open(a).read(), {}, scope)
+            try:
+                exec(open(a).read(), {}, scope)
+            except Exception as e:  # a typo in a preset: say where, not a traceback
+                raise UsageError(f"config file {a} failed: {type(e).__name__}: {e}") from None
             for k, v in scope.items():
                 if k.startswith("_"):
                     continue
@@ -179,31 +186,44 @@ def parse_args(argv):
                 values[k] = coerce(k, v, spec[k])
             i += 1
             continue
-        name, _, inline = a[2:].partition("=")
-        key = name[3:] if name.startswith("no_") and name[3:] in spec else name
+        name, eq, inline = a[2:].partition("=")
+        is_bool = lambda k: k in spec and spec[k].type in (bool, "bool")
+        key = name[3:] if name.startswith("no_") and is_bool(name[3:]) else name
         if key not in spec:
             raise UsageError(f"unknown option --{name}; see python train.py --help")
-        if spec[key].type in (bool, "bool"):
-            values[key] = not name.startswith("no_")
+        if is_bool(key):  # --name, --no_name, or --name=true/false
+            value = coerce(key, inline, spec[key]) if eq else True
+            values[key] = value if key == name else not value
             i += 1
         else:
-            if inline == "" and i + 1 >= len(argv):
+            if not eq and i + 1 >= len(argv):
                 raise UsageError(f"--{name} needs a value")
-            raw = inline if inline else argv[i + 1]
+            raw = inline if eq else argv[i + 1]
             values[key] = coerce(key, raw, spec[key])
-            i += 1 if inline else 2
+            i += 1 if eq else 2
         given.add(key)
-    for k, allowed in CHOICES.items():
+    for k, allowed in {**CHOICES, **MODEL_CHOICES, "attn": ("sdpa", "math")}.items():
         if values[k] not in allowed:
             raise UsageError(f"--{k} {values[k]!r} is invalid; choose one of {', '.join(allowed)}")
-    for k in ("stars", "norm_penalty", "learning_rate", "weight_decay", "grad_clip", "epochs"):
+    for k in ("stars", "norm_penalty", "learning_rate", "min_lr", "weight_decay", "grad_clip", "epochs", "loop_sigma",
+              "max_iters", "warmup_iters", "stars_warmup", "eval_loops", "sample_tokens", "num_threads"):
         if values[k] < 0:
             raise UsageError(f"--{k} {values[k]} is invalid; it must be >= 0")
-    for k in ("batch_size", "gradient_accumulation_steps", "eval_iters", "log_interval", "eval_interval", "loop_max"):
+    for k in ("batch_size", "gradient_accumulation_steps", "eval_iters", "log_interval", "eval_interval", "loop_max",
+              "backprop_depth", "eval_problems"):
         if values[k] < 1:
             raise UsageError(f"--{k} {values[k]} is invalid; it must be >= 1")
+    if values["loop_mean"] <= 0:
+        raise UsageError(f"--loop_mean {values['loop_mean']} is invalid; it must be > 0")
     if values["task"] == "addition" and not 2 <= values["digits"] <= 8:
         raise UsageError(f"--digits {values['digits']} is out of range; addition supports 2 to 8 digits")
+    if values["eval_only"] and values["init_from"] != "resume":
+        raise UsageError("--eval_only needs --init_from resume (and a checkpoint in --out_dir)")
+    if values["device"] != "auto":
+        try:
+            torch.device(values["device"])
+        except RuntimeError:
+            raise UsageError(f"--device {values['device']!r} is invalid; use auto, cpu, cuda or cuda:N") from None
     cfg = TrainConfig(**{k: values[k] for k in (f.name for f in fields(TrainConfig))})
     model = {k: values[k] for k in (f.name for f in fields(LoopLMConfig))}
     try:
@@ -307,6 +327,9 @@ def read_texts(cfg):
             return "\n".join(texts[:-1]), texts[-1]  # the last file is the validation split
         cut = int(0.9 * len(texts[0]))
         return texts[0][:cut], texts[0][cut:]
+    if not os.environ.get("HF_HUB_OFFLINE") and not reachable("huggingface.co"):
+        # no network: use only the local Hugging Face cache, and fail in a second instead of retrying for half a minute
+        os.environ["HF_HUB_OFFLINE"] = "1"
     try:  # wikitext103 from the Hugging Face hub
         import datasets
         ds = datasets.load_dataset("Salesforce/wikitext", "wikitext-103-raw-v1")
@@ -315,6 +338,15 @@ def read_texts(cfg):
         raise RunError(f"cannot load WikiText-103 from the Hugging Face hub ({type(e).__name__}); offline? use "
                        "--dataset wikitext2 --data_dir ../shared/data/wikitext-2, --dataset text --data_files FILE, "
                        "or --dataset pydoc") from None
+
+
+def reachable(host, port=443, timeout=3.0):
+    import socket
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def read_file(path):
@@ -333,7 +365,9 @@ def prepare_data(cfg):
     src = {"wikitext2": cfg.data_dir, "text": cfg.data_files}.get(cfg.dataset, "")
     stamp = [(os.path.abspath(p), os.path.getsize(p), int(os.path.getmtime(p)))
              for p in src.split(",") if p and os.path.isfile(p)] if cfg.dataset == "text" else src
-    key = re.sub(r"\W", "_", f"{cfg.dataset}-{cfg.tokenizer}-{abs(hash(json.dumps(stamp))) % 10**8 if src else ''}")
+    # a stable digest (not hash(), which changes with every Python process): the cache outlives the run
+    digest = hashlib.sha1(json.dumps(stamp).encode()).hexdigest()[:8] if src else ""
+    key = re.sub(r"\W", "_", f"{cfg.dataset}-{cfg.tokenizer}-{digest}")
     if cfg.dataset == "wikitext2" and os.path.isdir(cfg.data_dir):
         key += "-" + str(sum(os.path.getsize(os.path.join(cfg.data_dir, f)) for f in os.listdir(cfg.data_dir)))
     folder = os.path.join(cfg.cache_dir, key)
@@ -343,18 +377,26 @@ def prepare_data(cfg):
         meta = fit_regex_tokenizer(train_text) if cfg.tokenizer == "regex" else {"kind": cfg.tokenizer}
         tok = get_tokenizer(meta)
         dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
-        os.makedirs(folder, exist_ok=True)
         from tqdm import tqdm
-        for split, text in (("train", train_text), ("val", val_text)):
-            lines = text.splitlines(keepends=True)
-            chunks = ["".join(lines[i:i + 2000]) for i in range(0, len(lines), 2000)]
-            ids = [i for c in tqdm(chunks, desc=f"tokenizing {split}", disable=None) for i in tok.encode(c)]
-            arr = np.memmap(os.path.join(folder, f"{split}.tmp"), dtype=dtype, mode="w+", shape=(len(ids),))
-            arr[:] = ids
-            arr.flush()
-            os.replace(os.path.join(folder, f"{split}.tmp"), os.path.join(folder, f"{split}.bin"))
-        meta["dtype"] = np.dtype(dtype).name
-        atomic_write_text(meta_path, json.dumps(meta))
+        try:
+            os.makedirs(folder, exist_ok=True)
+            for split, text in (("train", train_text), ("val", val_text)):
+                lines = text.splitlines(keepends=True)
+                chunks = ["".join(lines[i:i + 2000]) for i in range(0, len(lines), 2000)]
+                ids = [i for c in tqdm(chunks, desc=f"tokenizing {split}", disable=None) for i in tok.encode(c)]
+                # write under a name of this process, then rename: torchrun ranks may tokenize at the same time
+                tmp = os.path.join(folder, f"{split}.{os.getpid()}.tmp")
+                if not ids:
+                    raise RunError(f"the {split} split of --dataset {cfg.dataset} has no tokens; use more text")
+                arr = np.memmap(tmp, dtype=dtype, mode="w+", shape=(len(ids),))
+                arr[:] = ids
+                arr.flush()
+                del arr
+                os.replace(tmp, os.path.join(folder, f"{split}.bin"))
+            meta["dtype"] = np.dtype(dtype).name
+            atomic_write_text(meta_path, json.dumps(meta))  # written last: its presence means the cache is complete
+        except OSError as e:
+            raise RunError(f"cannot write the token cache in {folder} ({e.strerror}); pick another --cache_dir") from None
     meta = json.load(open(meta_path))
     load = lambda s: np.memmap(os.path.join(folder, f"{s}.bin"), dtype=meta["dtype"], mode="r")
     return load("train"), load("val"), meta
@@ -438,7 +480,7 @@ def addition_eval(model, cfg, max_loops, device):
 
 # ------------------------------------------------------------------ checkpoints
 def atomic_write_text(path, text):
-    tmp = path + ".tmp"
+    tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
@@ -446,9 +488,14 @@ def atomic_write_text(path, text):
 
 def save_checkpoint(path, obj):
     """Write to a temporary file, then rename: a crash mid-write never destroys the last checkpoint."""
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except OSError as e:  # disk full, say: drop the partial file, keep the previous checkpoint
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise RunError(f"cannot write checkpoint {path} ({e.strerror or e}); the previous one, if any, is intact") from None
 
 
 def load_checkpoint(path, device="cpu"):
@@ -473,7 +520,8 @@ def model_from_checkpoint(ckpt, device="cpu"):
 @torch.no_grad()
 def evaluate_lm(model, val, cfg, K_eval, device, ctx):
     """Per loop k = 1..K_eval: CE/PPL, ‖H_k‖ stats (L2, per token), radial gradient fraction,
-    fixed-point residual, clamp ΔCE, tokens/s at depth k. Same batches for every k."""
+    fixed-point residual, spectral radius of the loop map, clamp ΔCE, tokens/s at depth k.
+    Same batches for every k."""
     B, T = min(cfg.batch_size, 16), model.config.block_size
     g = torch.Generator().manual_seed(cfg.seed + 999)  # fixed validation batches
     batches = [get_batch(val, B, T, g) for _ in range(cfg.eval_iters)]
@@ -493,6 +541,7 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
                     res[k - 1] += fixed_point_residual(states[k - 2], states[k - 1]) / len(batches)
     x, y = batches[0][0].to(device), batches[0][1].to(device)
     states = model.loop_states(x, K_eval)
+    step = stars.looplm_step_fn(model, model.embed(x[:4]))  # ρ(∂H_k/∂H_{k-1}) on 4 sequences, float32
     rows = []
     for k in range(1, K_eval + 1):
         s = norm_stats(torch.cat(norms[k - 1]))
@@ -500,6 +549,7 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
                      **{f"norm_{n}": s[n] for n in ("mean", "median", "p99", "max", "std", "min")},
                      "radial_fraction": radial_fraction(model, states[k - 1], y, k, K_eval),
                      "fixed_point_residual": res[k - 1] if k > 1 else None,
+                     "spectral_radius": stars.spectral_radius(step, states[k - 1][:4], iters=10),
                      "clamp_delta_ce": ce_clamp[k - 1] - ce[k - 1],
                      "tokens_per_s": depth_throughput(model, x, k, device, ctx)})
     return rows, sum(len(n) for n in norms[0])
@@ -597,6 +647,9 @@ def main(argv=None):
     except RunError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before training started (while tokenizing, say): nothing to save
+        print("train.py: interrupted before training started; nothing saved", file=sys.stderr)
+        return 130
 
 
 def run(cfg, model_args, given):
@@ -613,6 +666,8 @@ def run(cfg, model_args, given):
     ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank = int(os.environ.get("RANK", "0"))
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if "cuda" in device and not torch.cuda.is_available():
+        raise RunError(f"--device {device} but CUDA is not available; use --device cpu (or auto)")
     if ddp:
         torch.distributed.init_process_group("nccl" if "cuda" in device else "gloo")
         if "cuda" in device:
@@ -636,21 +691,35 @@ def run(cfg, model_args, given):
     ckpt = None
     if cfg.init_from == "resume":
         ckpt = load_checkpoint(ckpt_path)
-        saved = ckpt["config"]
+        saved, saved_model = ckpt["config"], ckpt["model_args"]
         cfg = TrainConfig(**{**saved, **{k: getattr(cfg, k) for k in given if k in saved},
-                             "init_from": "resume", "eval_only": cfg.eval_only})
-        if model_args["block_size"] > ckpt["model_args"]["block_size"] and "block_size" in given:
+                             "init_from": "resume", "eval_only": cfg.eval_only, "out_dir": cfg.out_dir})
+        for k in ARCHITECTURE:  # these shape (or define) the weights: they cannot change on resume
+            if k in given and model_args[k] != saved_model[k]:
+                raise UsageError(f"--{k} {model_args[k]} differs from the checkpoint's {saved_model[k]}; "
+                                 "it cannot change on resume")
+        if "block_size" in given and model_args["block_size"] > saved_model["block_size"]:
             raise UsageError(f"--block_size {model_args['block_size']} exceeds the checkpoint's "
-                             f"{ckpt['model_args']['block_size']}: its position embeddings end there")
-        model_args = {**ckpt["model_args"], **{k: model_args[k] for k in given if k in model_args}}
+                             f"{saved_model['block_size']}: its position embeddings end there")
+        model_args = {**saved_model, **{k: model_args[k] for k in given if k in model_args}}
     # -- data
     if cfg.task == "addition":
         meta = {"kind": "addition"}
         model_args["block_size"] = addition_block_size(cfg.digits) if ckpt is None else model_args["block_size"]
+        if addition_block_size(cfg.digits) > model_args["block_size"]:
+            raise UsageError(f"--digits {cfg.digits} needs block_size {addition_block_size(cfg.digits)}, "
+                             f"more than the checkpoint's {model_args['block_size']}")
         heldout = addition_heldout(cfg.digits, cfg.eval_problems, cfg.seed)[2].numpy()
         train_data = val_data = None
     else:
         train_data, val_data, meta = prepare_data(cfg)
+        for split, data in (("training", train_data), ("validation", val_data)):
+            if len(data) <= model_args["block_size"] + 1:  # fail now, not after training at the first eval
+                raise RunError(f"the {split} split has {len(data)} tokens, fewer than block_size+1="
+                               f"{model_args['block_size'] + 1}; use more text or a smaller --block_size")
+    if ckpt is not None and {**ckpt["tokenizer"], "dtype": None} != {**meta, "dtype": None}:
+        raise UsageError(f"the data's tokenizer ({meta['kind']}) is not the checkpoint's ({ckpt['tokenizer']['kind']}, "
+                         "or a regex vocabulary fit on other text): token ids would not match the weights")
     tok = get_tokenizer(meta)
     model_args["vocab_size"] = tok.vocab_size
     try:
@@ -660,12 +729,19 @@ def run(cfg, model_args, given):
     torch.manual_seed(cfg.seed)
     model = LoopLM(mcfg).to(device)
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.split(":")[0])
-    iter_num, best_val = 0, float("inf")
+    iter_num, best_val, last_saved = 0, float("inf"), None
     if ckpt is not None:
+        # a smaller --block_size keeps the first positions of the position embedding (and their AdamW moments)
+        T = mcfg.block_size
+        ckpt["model"]["wpe.weight"] = ckpt["model"]["wpe.weight"][:T]
         model.load_state_dict(ckpt["model"])
         if not cfg.eval_only:
+            wpe = [id(p) for g in optimizer.param_groups for p in g["params"]].index(id(model.wpe.weight))
+            for k, v in ckpt["optimizer"]["state"].get(wpe, {}).items():
+                if k in ("exp_avg", "exp_avg_sq"):
+                    ckpt["optimizer"]["state"][wpe][k] = v[:T]
             optimizer.load_state_dict(ckpt["optimizer"])
-        iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
+        iter_num, best_val, last_saved = ckpt["iter_num"], ckpt["best_val_loss"], ckpt_path
     world = torch.distributed.get_world_size() if ddp else 1
     tokens_per_iter = cfg.batch_size * mcfg.block_size * cfg.gradient_accumulation_steps * world
     max_iters = cfg.max_iters
@@ -705,7 +781,7 @@ def run(cfg, model_args, given):
             rows, n_tok = evaluate_lm(model, val_data, cfg, K_eval, device, ctx)
             report["per_loop"], report["eval_tokens"] = rows, n_tok
             report["norm_convention"] = "per-token L2 norm ||H_k||_2 (RMS = L2/sqrt(n_embd))"
-            val_loss = rows[mcfg.n_loop - 1]["ce"] if mcfg.n_loop <= K_eval else rows[-1]["ce"]
+            val_loss = float(rows[mcfg.n_loop - 1]["ce"] if mcfg.n_loop <= K_eval else rows[-1]["ce"])
             print(f"step {iter_num}: val CE by loop " + " ".join(f"K{r['k']}={r['ce']:.4f}" for r in rows)
                   + f" | ‖H_K‖ mean {rows[-1]['norm_mean']:.1f} p99 {rows[-1]['norm_p99']:.1f} max {rows[-1]['norm_max']:.1f}"
                   f" | radial {rows[-1]['radial_fraction']:.1e} | clamp ΔCE {rows[-1]['clamp_delta_ce']:+.4f}")
@@ -718,18 +794,16 @@ def run(cfg, model_args, given):
         model.train()
         return val_loss, report
 
-    if cfg.eval_only:
-        if ckpt is None:
-            raise UsageError("--eval_only needs --init_from resume (and a checkpoint in --out_dir)")
+    if cfg.eval_only:  # (parse_args made sure there is a checkpoint to evaluate)
         if master:
             _, report = evaluate(True)
             finish(cfg, report)
         return 0
 
-    # -- Ctrl-C / SIGTERM: finish the step, save, exit 130 / 143
+    # -- Ctrl-C / SIGTERM: finish the step, save, exit 130 / 143 (with torchrun every rank gets the signal)
     stop = {}
     old_handlers = {s: signal.signal(s, lambda sig, _: stop.setdefault("sig", sig))
-                    for s in (signal.SIGINT, signal.SIGTERM)} if master or not ddp else {}
+                    for s in (signal.SIGINT, signal.SIGTERM)}
     log_path = os.path.join(cfg.out_dir, "log.jsonl")
     if ckpt is None and master and os.path.exists(log_path):
         os.remove(log_path)
@@ -771,17 +845,22 @@ def run(cfg, model_args, given):
                 (loss / cfg.gradient_accumulation_steps).backward()
                 loss_sum += loss.item() / cfg.gradient_accumulation_steps
                 norm_K += token_norms(states[-1].detach()).mean().item() / cfg.gradient_accumulation_steps
-            if not math.isfinite(loss_sum):
-                last = ckpt_path if os.path.exists(ckpt_path) else "none saved yet"
-                raise RunError(f"non-finite loss ({loss_sum}) at step {iter_num}; stopping. Last good checkpoint: "
-                               f"{last} (left untouched). Lower --learning_rate or check the data")
-            if ddp:  # average gradients over ranks (a plain all-reduce: no DDP wrapper, unused params are fine)
+            stopping = bool(stop)
+            if ddp:  # all ranks must take the same decisions below: share the loss and "was I signalled?"
+                shared = torch.tensor([loss_sum, float(stopping)], device=device)
+                torch.distributed.all_reduce(shared)
+                loss_sum, stopping = shared[0].item() / world, shared[1].item() > 0
+                # average gradients over ranks (a plain all-reduce: no DDP wrapper, unused params are fine)
                 for p in model.parameters():
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.AVG)
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            # clip (or with grad_clip 0 just measure) the gradient norm: an inf/nan gradient must not reach the weights
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf")).item()
+            if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+                raise RunError(f"non-finite loss ({loss_sum:.4g}, gradient norm {grad_norm:.4g}) at step {iter_num + 1}; "
+                               f"stopping. Last good checkpoint: {last_saved or 'none saved yet'} (left untouched). "
+                               "Lower --learning_rate or check the data")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             iter_num += 1
@@ -803,15 +882,16 @@ def run(cfg, model_args, given):
                 best_val = min(best_val, val_loss)
                 if cfg.always_save_checkpoint or val_loss <= best_val:
                     save_checkpoint(ckpt_path, make_ckpt())
+                    last_saved = ckpt_path
                 if iter_num == max_iters:
                     finish(cfg, report)
                 t0 = time.perf_counter()  # evaluation time is not training throughput
-            if stop:
+            if stopping:
                 if master:
                     save_checkpoint(ckpt_path, make_ckpt())
                     print(f"interrupted: saved step {iter_num} to {ckpt_path}; continue with --init_from resume",
                           file=sys.stderr)
-                return 128 + stop["sig"]
+                return 128 + stop.get("sig", signal.SIGTERM)  # (a rank stopped by another rank's signal: 143)
     finally:
         for s, h in old_handlers.items():
             signal.signal(s, h)
