@@ -59,7 +59,8 @@ def sync(device):
 
 
 def make_model(args, shape, device, **over):
-    cfg = {k: v for k, v in SHAPES[shape].items() if k != "batch_size"}
+    """A LoopLM of `shape` (a SHAPES entry, batch_size ignored) and its AdamW (looplm's configure_optimizers)."""
+    cfg = {k: v for k, v in shape.items() if k != "batch_size"}
     cfg.update(per_loop_ce=args.per_loop_ce, dropout=0.0)
     cfg.update(over)
     torch.manual_seed(0)
@@ -167,8 +168,7 @@ def memory_runs(args, shape, device):
     (/proc/self/clear_refs) before each step, and reports VmHWM - VmRSS before the step."""
     specs = [(K, m) for K in (4, 8, 16) for m in ("plain", "checkpoint", "truncated")]
     if device == "cpu":
-        cmd = [sys.executable, os.path.abspath(__file__), "--_memory", shape, "--grad_loops", str(args.grad_loops),
-               "--batch_size", str(args.batch_size or SHAPES[shape]["batch_size"])]
+        cmd = [sys.executable, os.path.abspath(__file__), "--_memory", json.dumps(shape), "--grad_loops", str(args.grad_loops)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         return json.loads(out.strip().splitlines()[-1])
     return {f"mem_mb_{m}_K{K}": memory_one(args, shape, device, K, m) for K, m in specs}
@@ -176,7 +176,7 @@ def memory_runs(args, shape, device):
 
 def memory_one(args, shape, device, K, mode):
     model, opt = make_model(args, shape, device, per_loop_ce=False)
-    B, T = args.batch_size or SHAPES[shape]["batch_size"], model.config.block_size
+    B, T = shape["batch_size"], model.config.block_size
     X = torch.randint(0, model.config.vocab_size, (2, B, T), device=device)
     ctx = torch.autocast("cuda", torch.bfloat16) if device.startswith("cuda") else nullcontext()
     kw = dict(checkpoint=mode == "checkpoint", grad_loops=args.grad_loops if mode == "truncated" else None)
@@ -195,7 +195,8 @@ def memory_one(args, shape, device, K, mode):
 
 
 def bench(args, shape, device):
-    B = args.batch_size or SHAPES[shape]["batch_size"]
+    """Every figure for one shape (a SHAPES entry): a flat dict of floats."""
+    B = shape["batch_size"]
     ctx = torch.autocast("cuda", torch.bfloat16) if device.startswith("cuda") else nullcontext()
     loop, loop_opt = make_model(args, shape, device)
     cfg = loop.config
@@ -220,7 +221,7 @@ def bench(args, shape, device):
     return res
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default=None, help=f"comma-separated, from {', '.join(SHAPES)} "
                    "(default: 44m,tiny on CPU, 44m on CUDA, quick with --quick)")
@@ -240,13 +241,18 @@ def main():
     p.add_argument("--threads", type=int, default=0, help="torch threads on CPU (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--_memory", default=None, help=argparse.SUPPRESS)  # internal: the CPU memory child
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args._memory:  # every tensor over 1 MiB gets its own mapping, returned to the OS when freed
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-        memory_one(args, args._memory, "cpu", 4, "plain")  # a first step also pays one-time allocations
-        res = {f"mem_mb_{m}_K{K}": memory_one(args, args._memory, "cpu", K, m)
+        shape = json.loads(args._memory)
+        memory_one(args, shape, "cpu", 4, "plain")  # a first step also pays one-time allocations
+        res = {f"mem_mb_{m}_K{K}": memory_one(args, shape, "cpu", K, m)
                for K in (4, 8, 16) for m in ("plain", "checkpoint", "truncated")}
         print(json.dumps(res))
         return
@@ -257,7 +263,8 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     tuned = args.device == "cpu" and not args.no_tune_malloc and tune_malloc()
     load0 = os.getloadavg()
-    results = {s: bench(args, s, args.device) for s in shapes}
+    results = {s: bench(args, dict(SHAPES[s], batch_size=args.batch_size or SHAPES[s]["batch_size"]), args.device)
+               for s in shapes}
     meta = dict(device=args.device, threads=torch.get_num_threads(), torch=torch.__version__, malloc_tuned=tuned,
                 loadavg_start=load0[0], loadavg_end=os.getloadavg()[0], warmup=args.warmup, reps=args.reps)
     if args.json:

@@ -297,7 +297,7 @@ class LoopLM(nn.Module):
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        fused = device_type == "cuda"  # fused AdamW: one kernel for all parameters
+        fused = device_type in ("cuda", "cpu")  # fused AdamW: one kernel for all parameters (CPU: ~4x foreach)
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None,
                                  foreach=None if fused else True)
 

@@ -121,7 +121,8 @@ def uncached_logits(model, idx, n_loops, exit=None, threshold=None):
         out = logits if out is None else torch.where(done[:, None], out, logits)
         if exit is not None and k < n_loops:
             stop = ~done & exit_ok(exit_score(logits, exit), exit, threshold)
-            loops[stop], done = k, done | stop
+            loops[stop] = k
+            done |= stop
     return out, loops
 
 
@@ -161,6 +162,8 @@ def generate(model, idx, max_new_tokens, n_loops, temperature=1.0, top_k=None, e
         if stop_token is not None and (nxt == stop_token).all():
             break
     loops = torch.stack(all_loops, 1) if all_loops else torch.zeros(idx.size(0), 0)
+    if idx.is_cuda:
+        torch.cuda.synchronize()  # CUDA runs asynchronously: wait before reading the clock
     dt = time.perf_counter() - t0
     return idx, {"loops": loops, "mean_loops": loops.float().mean().item() if all_loops else 0.0,
                  "tokens_per_s": loops.numel() / max(dt, 1e-9)}
@@ -266,24 +269,31 @@ def eval_data(ckpt, model, n):
 
 
 def report(model, ckpt, args, device):
+    """--eval / --calibrate: fixed K vs adaptive depth, first in the fast teacher-forced table
+    (Paper A's protocol, all loops computed), then through real incremental decoding."""
     K, addition = args.n_loops, ckpt["config"].get("task") == "addition"
     x, y = (t.to(device) for t in eval_data(ckpt, model, args.eval_seqs))
     exit, thr = args.exit or "max_prob", args.exit_threshold
-    fmt = lambda r: f"PPL {r['ppl']:8.3f}  loops {r['loops']:5.2f}/{K}" + (f"  exact {100 * r['exact']:5.1f}%" if addition else "")
+    fmt = lambda r: (f"PPL {r['ppl']:8.3f}  loops {r['loops']:5.2f}/{K}"
+                     + (f"  exact {100 * r['exact']:5.1f}%" if addition else ""))
     if args.calibrate:  # calibrate on the first half, report on the held-out second half
         half = len(x) // 2
         thr, r = calibrate(loop_table(model, x[:half], y[:half], K, exit), exit, args.ratio)
         print(f"calibrated on {half} sequences: --exit {exit} --exit_threshold {thr:.6g} ({fmt(r)})")
         x, y = x[half:], y[half:]
     fixed, adaptive = adaptive_eval(loop_table(model, x, y, K, exit), exit, thr)
-    name = f"{exit}{'<=' if exit == 'entropy' else '>='}{thr:.4g}"
-    print(f"teacher-forced, all loops computed ({len(x)} sequences):\n  fixed K={K:<14} {fmt(fixed)}\n"
-          f"  adaptive {name:<16} {fmt(adaptive)}   PPL x{adaptive['ppl'] / fixed['ppl']:.4f}")
+    rows = ((f"fixed K={K}", None), (f"adaptive {exit}{'<=' if exit == 'entropy' else '>='}{thr:.4g}", exit))
+    w = max(len(r[0]) for r in rows) + 2
+    print(f"teacher-forced, all loops computed, each token read out at its exit loop ({len(x)} sequences):")
+    print(f"  {rows[0][0]:<{w}}{fmt(fixed)}\n  {rows[1][0]:<{w}}{fmt(adaptive)}"
+          f"   PPL x{adaptive['ppl'] / fixed['ppl']:.4f}")
     n = max(1, len(x) // 8)
-    print(f"incremental decoding, batch 1, KV cache + KV-copy rule ({n} sequences):")
-    for label, e in ((f"fixed K={K}", None), (f"adaptive {name}", exit)):
+    print(f"incremental decoding, batch 1, KV cache with the KV-copy rule (the first {n} of them):")
+    decode_forced(model, x[:1], y[:1], K)  # warm-up, untimed
+    same = adaptive_eval(loop_table(model, x[:n], y[:n], K, exit), exit, thr)
+    for (label, e), t in zip(rows, same):
         r = decode_forced(model, x[:n], y[:n], K, e, thr)
-        print(f"  {label:<23} {fmt(r)}  {r['tokens_per_s']:8.1f} tokens/s")
+        print(f"  {label:<{w}}{fmt(r)}  {r['tokens_per_s']:8.1f} tokens/s  (teacher-forced table: PPL {t['ppl']:.3f})")
 
 
 def addition_prompt(start, digits):
@@ -303,7 +313,8 @@ class Parser(argparse.ArgumentParser):
 def parse_args(argv):
     p = Parser(description="Sample from a looplm checkpoint at a fixed or adaptive depth.",
                epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = lambda flag, default, help, **kw: p.add_argument(flag, default=default, help=f"{help} [{kw.pop('show', default)}]", **kw)
+    def a(flag, default, help, show=None, **kw):  # every option shows its default in --help
+        p.add_argument(flag, default=default, help=f"{help} [{default if show is None else show}]", **kw)
     a("--out_dir", "out", "folder holding ckpt.pt (or the .pt file itself)")
     a("--start", "\n", 'prompt text, or FILE:path to read it from a file; addition: "1234+5678="', show="newline")
     a("--num_samples", None, "samples to draw", type=int, show="10; addition 1")
@@ -312,6 +323,7 @@ def parse_args(argv):
     a("--top_k", 200, "sample among the top_k most likely tokens only", type=int)
     a("--seed", 1337, "random seed of the sampler", type=int)
     a("--device", "auto", "auto | cpu | cuda | cuda:N")
+    a("--num_threads", 0, "CPU threads (0 = torch's default; 1 is fastest for batch-1 decoding on a busy machine)", type=int)
     a("--n_loops", None, "K: loops of the shared stack, any K >= 1", type=int, show="the checkpoint's n_loop")
     a("--exit", None, "adaptive depth: a token stops looping once its readout passes this criterion "
       "(max_prob, margin = p1-p2: >= threshold; entropy in nats: <= threshold)", choices=EXITS, show="off")
@@ -323,7 +335,8 @@ def parse_args(argv):
     a("--ratio", 1.01, "--calibrate: allowed PPL ratio to fixed K (Paper A's protocol)", type=float)
     a("--eval_seqs", None, "held-out sequences for --eval/--calibrate", type=int, show="16 windows; addition 400 problems")
     args = p.parse_args(argv)
-    for name, lo in (("num_samples", 1), ("max_new_tokens", 0), ("top_k", 1), ("n_loops", 1), ("eval_seqs", 2)):
+    for name, lo in (("num_samples", 1), ("max_new_tokens", 0), ("num_threads", 0), ("top_k", 1), ("n_loops", 1),
+                     ("eval_seqs", 2)):
         if getattr(args, name) is not None and getattr(args, name) < lo:
             raise CLIError(f"--{name} {getattr(args, name)} is invalid; it must be >= {lo}")
     if args.temperature is not None and args.temperature < 0:
@@ -332,21 +345,33 @@ def parse_args(argv):
         raise CLIError(f"--exit {args.exit} needs --exit_threshold (or --calibrate to find one)")
     if args.exit_threshold is not None and not args.exit:
         raise CLIError("--exit_threshold needs --exit max_prob|margin|entropy")
+    if args.eval and not args.calibrate and not args.exit:
+        raise CLIError("--eval compares fixed K with an exit policy: give --exit and --exit_threshold, "
+                       "or use --calibrate")
+    if args.ratio < 1:
+        raise CLIError(f"--ratio {args.ratio} is invalid; it must be >= 1 (Paper A: 1.01)")
     return args
 
 
 def run(args):
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CLIError(f"--device {device}, but no CUDA GPU is available; use --device cpu")
     path = args.out_dir if args.out_dir.endswith(".pt") else os.path.join(args.out_dir, "ckpt.pt")
     if not os.path.isfile(path):
         raise CLIError(f"no checkpoint at {path}; train one (python train.py --out_dir DIR) or fix --out_dir", 1)
     ckpt = train.load_checkpoint(path, device)
+    if not isinstance(ckpt, dict) or not {"model", "model_args", "config", "tokenizer"} <= ckpt.keys():
+        raise CLIError(f"{path} is not a looplm checkpoint (written by train.py)", 1)
     model = train.model_from_checkpoint(ckpt, device)
     tok, cfg = train.get_tokenizer(ckpt["tokenizer"]), ckpt["config"]
     addition, bs = cfg.get("task") == "addition", model.config.block_size
     args.n_loops = args.n_loops or model.config.n_loop
     if args.eval or args.calibrate:
-        return report(model, ckpt, args, device) or 0
+        report(model, ckpt, args, device)
+        return 0
     start = args.start
     if start.startswith("FILE:"):
         if not os.path.isfile(start[5:]):
@@ -373,7 +398,8 @@ def run(args):
         if addition:  # the model writes " 2196§": the sum's digits, least significant first
             digits = out.split("§")[0].strip()
             ok = digits.isdigit() and int(digits[::-1]) == a + b
-            print(f"{start}{digits[::-1]}" + ("" if ok else f"   (wrong: {a}+{b}={a + b})") + f"   [model wrote {out!r}]")
+            print(f"{start}{digits[::-1]}" + ("" if ok else f"   (wrong: {a}+{b}={a + b})")
+                  + f"   [model wrote {out!r}]")
         else:
             print(start + out)
         print(f"--------------- {stats['loops'].numel()} tokens, {stats['mean_loops']:.2f} loops/token "

@@ -340,6 +340,487 @@ def test_stars_objective_lambda_and_bad_arguments():
         stars.sample_loops(None, kind="normal")
 
 # ---------------------------------------------------------------- train.py (issues 4, 5, 8)
+# Tiny runs of the real trainer, in-process (train.main returns the exit code) unless a real process
+# is needed (signals, torchrun). Shapes are tiny and every run uses 1 thread: the section takes ~2 minutes.
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import train
+
+TRAIN_DIR = os.path.dirname(os.path.abspath(__file__))
+TRAIN_TINY = ("--tokenizer bytes --n_embd 32 --n_head 4 --n_layer 1 --n_loop 2 --block_size 32 --batch_size 4 "
+              "--max_iters 6 --eval_interval 3 --eval_iters 2 --log_interval 1 --dropout 0 --device cpu --num_threads 1").split()
+TRAIN_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def train_text_file(tmp_path_factory):
+    """~40 KB of real English (CPython's pydoc topics): no download, tokenized in a blink."""
+    import pydoc_data.topics as t
+    path = tmp_path_factory.mktemp("data") / "docs.txt"
+    path.write_text("\n".join(t.topics[k] for k in sorted(t.topics))[:40_000], encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def train_data_args(train_text_file, tmp_path_factory):
+    return ["--dataset", "text", "--data_files", train_text_file, "--cache_dir", str(tmp_path_factory.mktemp("cache"))]
+
+
+def _run_train(argv):
+    """train.main in-process; restores the thread count that --num_threads changes."""
+    n = torch.get_num_threads()
+    try:
+        return train.main([str(a) for a in argv])
+    finally:
+        torch.set_num_threads(n)
+
+
+def _train_losses(out_dir):
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl"))]
+    return [r for r in rows if "loss" in r]
+
+
+def _file_bytes(*paths):
+    return [open(p, "rb").read() for p in paths]
+
+
+def _one_error_line(capsys):
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err.strip()
+
+
+@pytest.fixture(scope="module")
+def trained_run(train_data_args, tmp_path_factory):
+    """One 6-step run (fixed depth 2), shared by the tests that need a checkpoint: never modify it, copy it."""
+    out = str(tmp_path_factory.mktemp("trained_run"))
+    assert _run_train(TRAIN_TINY + train_data_args + ["--out_dir", out]) == 0
+    return out
+
+
+def _copy_run(src, dst):
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+TRAIN_RESUME_CASES = {
+    "fixed": [],
+    # sampled depth + STARS penalty from step 2 on: the depths and the penalty's random direction must replay
+    "lognormal_stars": ["--loop_sampling", "lognormal", "--loop_mu", "0.7", "--loop_sigma", "0.6", "--loop_max", "4",
+                        "--stars", "0.1", "--stars_warmup", "2"],
+    "dropout": ["--dropout", "0.2"],  # the dropout masks must replay too
+}
+
+
+@pytest.mark.parametrize("case", TRAIN_RESUME_CASES)
+def test_train_resume_replays_the_uninterrupted_run_exactly(case, train_data_args, trained_run, tmp_path):
+    extra = TRAIN_RESUME_CASES[case]
+    full = trained_run if case == "fixed" else str(tmp_path / "full")
+    if case != "fixed":
+        assert _run_train(TRAIN_TINY + train_data_args + extra + ["--out_dir", full]) == 0
+    half = str(tmp_path / "half")
+    assert _run_train(TRAIN_TINY + train_data_args + extra + ["--out_dir", half, "--max_iters", 3]) == 0
+    assert train.load_checkpoint(half)["iter_num"] == 3
+    assert _run_train(TRAIN_TINY + train_data_args + extra + ["--out_dir", half, "--init_from", "resume", "--max_iters", 6]) == 0
+    a, b = _train_losses(full), _train_losses(half)
+    assert [r["iter"] for r in a] == [r["iter"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [r["loops"] for r in a] == [r["loops"] for r in b]
+    for ra, rb in zip(a, b):
+        assert abs(ra["loss"] - rb["loss"]) <= 1e-6, (ra, rb)
+    if case == "lognormal_stars":
+        assert len({r["loops"] for r in a}) > 1  # depth really was sampled
+        assert all("rho" in r for r in a[2:]) and all(abs(ra["rho"] - rb["rho"]) <= 1e-6 for ra, rb in zip(a[2:], b[2:]))
+    wa, wb = train.load_checkpoint(full)["model"], train.load_checkpoint(half)["model"]
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_train_resume_with_a_shorter_context_keeps_the_first_positions(trained_run, train_data_args, tmp_path):
+    out = _copy_run(trained_run, tmp_path / "run")
+    assert _run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--init_from", "resume", "--block_size", 16,
+                                                      "--max_iters", 7, "--learning_rate", 0]) == 0
+    old, new = train.load_checkpoint(trained_run), train.load_checkpoint(out)
+    assert new["iter_num"] == 7 and new["model_args"]["block_size"] == 16
+    assert torch.equal(new["model"]["wpe.weight"], old["model"]["wpe.weight"][:16])  # lr 0: cropped, not changed
+    shapes = [tuple(s["exp_avg"].shape) for s in new["optimizer"]["state"].values()]
+    assert (16, 32) in shapes  # the AdamW moments of the position embedding were cropped with it
+
+
+TRAIN_PER_LOOP_FIELDS = {"k", "ce", "ppl", "norm_mean", "norm_median", "norm_p99", "norm_max", "norm_std", "norm_min",
+                         "radial_fraction", "fixed_point_residual", "spectral_radius", "clamp_delta_ce", "tokens_per_s"}
+
+
+def test_train_report_has_every_field_and_eval_only_rewrites_it(trained_run, train_data_args, tmp_path):
+    out = _copy_run(trained_run, tmp_path / "run")
+    rep = json.load(open(os.path.join(out, "report.json")))
+    assert {"config", "params", "per_loop"} <= set(rep)
+    assert rep["params"] == train.model_from_checkpoint(train.load_checkpoint(out)).num_params()
+    assert rep["config"]["n_embd"] == 32 and rep["config"]["n_loop"] == 2
+    assert [r["k"] for r in rep["per_loop"]] == [1, 2]  # K_eval defaults to n_loop
+    for r in rep["per_loop"]:
+        assert set(r) == TRAIN_PER_LOOP_FIELDS
+        for name, v in r.items():
+            if name == "fixed_point_residual" and r["k"] == 1:
+                assert v is None
+            else:
+                assert isinstance(v, (int, float)) and math.isfinite(v), (name, v)
+        assert abs(r["ppl"] - math.exp(r["ce"])) < 1e-6 * r["ppl"] and r["norm_min"] <= r["norm_median"] <= r["norm_p99"] <= r["norm_max"]
+    for png in ("per_loop.png", "norm_hist.png", "training.png"):
+        assert os.path.getsize(os.path.join(out, png)) > 1000
+    ckpt = _file_bytes(os.path.join(out, "ckpt.pt"))
+    os.remove(os.path.join(out, "per_loop.png"))
+    assert _run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--eval_only", "--init_from", "resume", "--eval_loops", 3]) == 0
+    rep2 = json.load(open(os.path.join(out, "report.json")))
+    assert [r["k"] for r in rep2["per_loop"]] == [1, 2, 3]  # re-evaluated, here to depth 3
+    assert all(abs(x["ce"] - y["ce"]) < 1e-6 for x, y in zip(rep["per_loop"], rep2["per_loop"]))  # same weights
+    assert os.path.isfile(os.path.join(out, "per_loop.png")) and _file_bytes(os.path.join(out, "ckpt.pt")) == ckpt
+
+
+def test_train_regex_tokenizer_cap_min_frequency_and_round_trip():
+    words = [f"w{i}" for i in range(25_000)]
+    meta = train.fit_regex_tokenizer(" ".join(words + words) + " once\n")
+    vocab = meta["vocab"]
+    assert len(vocab) == 20_000 and vocab[:4] == ["<pad>", "<unk>", "<bos>", "<eos>"] and len(set(vocab)) == 20_000
+    assert "w0" in vocab and "once" not in vocab  # the cap keeps the most frequent
+    text = "def f(x):\n    return x+1  # café\n\n"
+    meta = train.fit_regex_tokenizer(text * 2 + "rare")
+    tok = train.get_tokenizer(meta)
+    assert tok.vocab_size == len(meta["vocab"]) and "\n    " in meta["vocab"] and "é" in meta["vocab"]
+    assert "rare" not in meta["vocab"]  # seen once: below min frequency 2
+    assert tok.decode(tok.encode(text)) == text  # whitespace runs, punctuation and non-ASCII letters round-trip
+    assert tok.encode("rare") == [1]  # <unk>
+
+
+def test_train_token_cache_is_reused_across_processes(train_text_file, tmp_path, monkeypatch):
+    cfg = train.TrainConfig(dataset="text", data_files=train_text_file, tokenizer="bytes", cache_dir=str(tmp_path))
+    tr, va, meta = train.prepare_data(cfg)
+    assert meta == {"kind": "bytes", "dtype": "uint16"} and len(tr) + len(va) == len(open(train_text_file, "rb").read())
+    [folder] = os.listdir(tmp_path)
+    stamp = os.stat(tmp_path / folder / "train.bin").st_mtime_ns
+
+    def no_reading(cfg):
+        raise AssertionError("re-tokenized")
+    monkeypatch.setattr(train, "read_texts", no_reading)
+    tr2, _, _ = train.prepare_data(cfg)
+    assert np.array_equal(tr, tr2) and os.stat(tmp_path / folder / "train.bin").st_mtime_ns == stamp
+    # another Python process (another hash seed) must find the same folder
+    code = (f"import sys; sys.path.insert(0, {TRAIN_DIR!r}); import train; train.read_texts = None; "
+            f"train.prepare_data(train.TrainConfig(dataset='text', data_files={train_text_file!r}, tokenizer='bytes', "
+            f"cache_dir={str(tmp_path)!r}))")
+    r = subprocess.run([sys.executable, "-c", code], env={**TRAIN_ENV, "PYTHONHASHSEED": "12345"},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert os.listdir(tmp_path) == [folder] and os.stat(tmp_path / folder / "train.bin").st_mtime_ns == stamp
+
+
+def test_train_gpt2_tokenizer_round_trip(monkeypatch):
+    tiktoken = pytest.importorskip("tiktoken")
+    import tiktoken.load
+    cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.path.join(TRAIN_DIR, "..", "shared", "tiktoken")
+    if not os.path.isdir(cache):
+        pytest.skip("no tiktoken cache (set TIKTOKEN_CACHE_DIR); the test does not download")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", cache)
+
+    def no_network(path):  # a test never downloads
+        raise ConnectionError(f"cannot reach {path}")
+    monkeypatch.setattr(tiktoken.load, "read_file", no_network)
+    try:
+        tiktoken.get_encoding("r50k_base")
+    except Exception as e:
+        pytest.skip(f"GPT-2 BPE not loadable offline from {cache}: {type(e).__name__}")
+    tok = train.get_tokenizer({"kind": "gpt2"})
+    text = "Looped transformers reuse one block K times.\n\n  Ça marche ✓"
+    assert tok.vocab_size == 50257 and tok.decode(tok.encode(text)) == text
+    assert tok.encode("Hello world") == [15496, 995]  # GPT-2's ids
+
+
+def test_train_checkpoint_is_atomic_and_weights_only(trained_run, train_data_args, tmp_path, monkeypatch, capsys):
+    out = _copy_run(trained_run, tmp_path / "run")
+    path = os.path.join(out, "ckpt.pt")
+    good = _file_bytes(path)
+    # a save that dies half-way (disk full) leaves the previous checkpoint and no temporary file
+    real_save = torch.save
+
+    def dying_save(obj, f):
+        open(f, "wb").write(good[0][:100])
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch, "save", dying_save)
+    assert _run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--init_from", "resume", "--max_iters", 9]) == 1
+    assert "No space left on device" in _one_error_line(capsys) and _file_bytes(path) == good
+    assert sorted(os.listdir(out)) == sorted(os.listdir(trained_run))
+    monkeypatch.setattr(torch, "save", real_save)
+    # truncated, garbage, or a pickle that would run code: one line naming the file, exit 1, file untouched
+    pwned = tmp_path / "pwned"
+
+    class Evil:  # unpickling this would run a shell command
+        def __reduce__(self):
+            return (os.system, (f"touch {pwned}",))
+    for bad in (good[0][: len(good[0]) // 2], b"not a checkpoint", None):
+        if bad is None:
+            torch.save({"model": Evil()}, path)
+        else:
+            open(path, "wb").write(bad)
+        before = _file_bytes(path)
+        assert _run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--init_from", "resume"]) == 1
+        msg = _one_error_line(capsys)
+        assert f"checkpoint {path} is unreadable" in msg and _file_bytes(path) == before
+        assert ("weights_only=True refuses" in msg) == (bad is None)
+    assert not pwned.exists()
+
+
+def test_train_non_finite_loss_stops_and_keeps_last_good_checkpoint(train_data_args, tmp_path, monkeypatch, capsys):
+    out = str(tmp_path / "run")
+    saved = []
+    real_save, real_objective = train.save_checkpoint, LoopLM.objective
+
+    def recording_save(path, obj):
+        real_save(path, obj)
+        saved.append(open(path, "rb").read())
+
+    calls = []
+
+    def objective(self, states, targets):
+        logits, loss = real_objective(self, states, targets)
+        calls.append(1)
+        return logits, loss * float("nan") if len(calls) == 4 else loss  # step 4 blows up
+    monkeypatch.setattr(train, "save_checkpoint", recording_save)
+    monkeypatch.setattr(LoopLM, "objective", objective)
+    assert _run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--eval_interval", 2]) == 1
+    msg = _one_error_line(capsys)
+    ckpt = os.path.join(out, "ckpt.pt")
+    assert "non-finite loss" in msg and "at step 4" in msg and f"Last good checkpoint: {ckpt}" in msg
+    assert len(saved) == 1 and open(ckpt, "rb").read() == saved[0] and train.load_checkpoint(ckpt)["iter_num"] == 2
+    assert [r["iter"] for r in _train_losses(out)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_train_signal_saves_a_checkpoint_and_exits_128_plus_signal(sig, train_data_args, tmp_path):
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, os.path.join(TRAIN_DIR, "train.py"), *TRAIN_TINY, *train_data_args, "--out_dir", out,
+           "--max_iters", "100000", "--eval_interval", "100000"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=TRAIN_ENV)
+    try:
+        for line in p.stdout:
+            if line.startswith("step "):  # training is under way
+                break
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 128 + sig, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    step = train.load_checkpoint(out)["iter_num"]
+    assert step >= 1 and f"interrupted: saved step {step} to {os.path.join(out, 'ckpt.pt')}" in err
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+TRAIN_DDP_WRAPPER = """
+import os, sys
+import torch
+sys.path.insert(0, {here!r})
+import train
+models = []
+class Recorded(train.LoopLM):  # keep a handle on the model each rank trains
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        models.append(self)
+train.LoopLM = Recorded
+rc = train.main(sys.argv[1:])
+torch.save(models[-1].state_dict(), os.path.join(os.environ["RANK_DIR"], f"rank{{os.environ['RANK']}}.pt"))
+sys.exit(rc)
+"""
+
+
+def test_train_two_process_gloo_ddp_keeps_ranks_identical(train_data_args, tmp_path):
+    wrapper = tmp_path / "ddp_wrapper.py"
+    wrapper.write_text(TRAIN_DDP_WRAPPER.format(here=TRAIN_DIR))
+    out = str(tmp_path / "run")
+    # a cold cache: both ranks tokenize at the same time
+    args = [*TRAIN_TINY, *train_data_args[:4], "--cache_dir", str(tmp_path / "cache"), "--learning_rate", "1e-2"]
+    env = {**TRAIN_ENV, "MASTER_ADDR": "127.0.0.1", "RANK_DIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), str(wrapper), *args, "--out_dir", out]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    w0, w1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)  # gradients were averaged: the replicas never drifted
+    ckpt = train.load_checkpoint(out)
+    assert all(torch.equal(w0[k], ckpt["model"][k]) for k in w0) and ckpt["iter_num"] == 6
+    losses = [row["loss"] for row in _train_losses(out)]
+    assert len(losses) == 6 and sum(losses[-2:]) / 2 < losses[0] - 0.3, losses  # training made progress
+    # rank 1 trained on its own batches: the result differs from one process doing the same steps
+    single = str(tmp_path / "single")
+    assert _run_train(args + ["--out_dir", single]) == 0
+    ws = train.load_checkpoint(single)["model"]
+    assert not torch.allclose(ws["wte.weight"], w0["wte.weight"])
+
+
+# bad input -> (exit code, a piece of the one-line message). Every case runs with --out_dir {dir}, a copy of
+# trained_run (ckpt.pt, log.jsonl, report.json, plots), unless it names another; {file}: a regular file,
+# {empty}: a blank text file, {short}: 96 bytes of text, {empty_dir}: an empty folder.
+TRAIN_BAD_INPUTS = {
+    "unknown option": (["--bogus", "1"], 2, "unknown option --bogus"),
+    "wrong type": (["--n_embd", "wide"], 2, "--n_embd expects int, got 'wide'"),
+    "missing value": (["--n_embd"], 2, "--n_embd needs a value"),
+    "invalid readout": (["--readout", "cosine"], 2, "--readout 'cosine' is invalid; choose one of norm, raw, final_norm"),
+    "invalid block_norm": (["--block_norm", "mid"], 2, "--block_norm 'mid' is invalid; choose one of pre, post, sandwich"),
+    "invalid loop_sampling": (["--loop_sampling", "uniform"], 2, "--loop_sampling 'uniform' is invalid"),
+    "n_loop < 1": (["--n_loop", "0"], 2, "--n_loop 0 is invalid; it must be an integer >= 1"),
+    "negative stars": (["--stars", "-1"], 2, "--stars -1.0 is invalid; it must be >= 0"),
+    "negative norm_penalty": (["--norm_penalty", "-1"], 2, "--norm_penalty -1.0 is invalid; it must be >= 0"),
+    "eval_only from scratch": (["--eval_only"], 2, "--eval_only needs --init_from resume"),
+    "resume, no checkpoint": (["--init_from", "resume", "--out_dir", "{empty_dir}"], 1, "no checkpoint at"),
+    "resume, larger block_size": (["--init_from", "resume", "--block_size", "64"], 2,
+                                  "--block_size 64 exceeds the checkpoint's 32"),
+    "resume, other width": (["--init_from", "resume", "--n_embd", "64"], 2,
+                            "--n_embd 64 differs from the checkpoint's 32; it cannot change on resume"),
+    "resume, other tokenizer": (["--init_from", "resume", "--tokenizer", "regex"], 2, "is not the checkpoint's"),
+    "missing data file": (["--data_files", "{dir}/nope.txt"], 1, "data file {dir}/nope.txt not found"),
+    "empty data file": (["--data_files", "{empty}"], 1, "data file {empty} is empty"),
+    "too little data": (["--data_files", "{short}"], 1, "fewer than block_size+1=33"),
+    "out_dir not writable": (["--out_dir", "{file}/sub"], 1, "out_dir {file}/sub is not writable (Not a directory)"),
+    "cache_dir not writable": (["--cache_dir", "{file}/sub"], 1, "cannot write the token cache in {file}/sub"),
+    "digits out of range": (["--task", "addition", "--digits", "9"], 2, "--digits 9 is out of range; addition supports 2 to 8"),
+    "config file missing": (["config/nope.py"], 2, "config file config/nope.py not found"),
+    "bad device": (["--device", "gpu0"], 2, "--device 'gpu0' is invalid"),
+}
+if not torch.cuda.is_available():
+    TRAIN_BAD_INPUTS["no CUDA"] = (["--device", "cuda"], 1, "--device cuda but CUDA is not available")
+
+
+@pytest.mark.parametrize("case", TRAIN_BAD_INPUTS)
+def test_train_bad_input_one_line_nonzero_exit_nothing_overwritten(case, trained_run, train_data_args, tmp_path, capsys):
+    argv, code, msg = TRAIN_BAD_INPUTS[case]
+    run = _copy_run(trained_run, tmp_path / "run")
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "short.txt").write_text("too short for a 32-token window\n" * 3)
+    (tmp_path / "file").write_text("a regular file")
+    (tmp_path / "empty_dir").mkdir()
+    names = {"dir": run, "empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt", "file": tmp_path / "file",
+             "empty_dir": tmp_path / "empty_dir"}
+    fill = lambda s: s.format(**{k: str(v) for k, v in names.items()})
+    before = {f: _file_bytes(os.path.join(run, f)) for f in os.listdir(run)}
+    assert _run_train(TRAIN_TINY + train_data_args + ["--out_dir", run] + [fill(a) for a in argv]) == code
+    err = _one_error_line(capsys)
+    assert err.startswith("train.py: error: ") and fill(msg) in err, err
+    assert {f: _file_bytes(os.path.join(run, f)) for f in os.listdir(run)} == before
+
+
+def test_train_gpt2_tokenizer_unavailable_offline_fails_fast(train_data_args, tmp_path, monkeypatch, capsys):
+    tiktoken = pytest.importorskip("tiktoken")
+    import tiktoken.load
+    import tiktoken.registry
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty_cache"))
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})  # forget an encoding another test loaded
+
+    def no_network(path):  # the test never downloads; on a machine without network this is what happens
+        raise ConnectionError(f"cannot reach {path}")
+    monkeypatch.setattr(tiktoken.load, "read_file", no_network)
+    t0 = time.perf_counter()
+    argv = TRAIN_TINY + train_data_args[:4] + ["--cache_dir", tmp_path / "cache", "--out_dir", tmp_path / "run", "--tokenizer", "gpt2"]
+    assert _run_train(argv) == 1
+    assert time.perf_counter() - t0 < 10
+    err = _one_error_line(capsys)
+    assert "GPT-2 tokenizer unavailable (ConnectionError)" in err and "TIKTOKEN_CACHE_DIR" in err
+
+
+def test_train_wikitext103_offline_fails_fast_with_one_line(tmp_path):
+    pytest.importorskip("datasets")
+    env = {**TRAIN_ENV, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, os.path.join(TRAIN_DIR, "train.py"), *TRAIN_TINY, "--dataset", "wikitext103",
+                        "--cache_dir", str(tmp_path / "cache"), "--out_dir", str(tmp_path / "run")],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert time.perf_counter() - t0 < 60
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "cannot load WikiText-103 from the Hugging Face hub" in r.stderr and "--dataset pydoc" in r.stderr
+
+
+def test_train_help_lists_every_option_with_default_and_meaning(capsys):
+    with pytest.raises(SystemExit) as e:
+        train.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    lines = {l.split()[0][2:]: l for l in out.splitlines() if l.strip().startswith("--")}
+    names = [f.name for f in dataclasses.fields(train.TrainConfig)] + [f.name for f in dataclasses.fields(LoopLMConfig)]
+    assert set(lines) == set(names)
+    for n in names:
+        assert train.HELP.get(n) and train.HELP[n] in lines[n] and lines[n].rstrip().endswith("]"), n
+    assert "[256]" in lines["block_size"] and "['gpt2']" in lines["tokenizer"] and "%%" not in out
+
+
+def test_train_boolean_options_accept_explicit_values():
+    cfg, model, _ = train.parse_args(["--per_loop_ce=false", "--inject", "--no_always_save_checkpoint", "--compile=true"])
+    assert (model["per_loop_ce"], model["inject"], cfg.always_save_checkpoint, cfg.compile) == (False, True, False, True)
+    with pytest.raises(train.UsageError, match="unknown option --no_n_embd"):
+        train.parse_args(["--no_n_embd", "3"])
+
+
+def test_train_addition_data_format_targets_and_heldout():
+    g = torch.Generator().manual_seed(0)
+    x, y, codes = train.addition_batch(64, 4, g)
+    tok = train.get_tokenizer({"kind": "addition"})
+    assert x.shape == (64, 17) and tok.vocab_size == 15
+    for row, tgt, code in zip(x.tolist(), y.tolist(), codes.tolist()):
+        a, b = divmod(code, 10_000)
+        s = f"{a}+{b}= {str(a + b)[::-1]}§"
+        assert 1000 <= a <= 9999 and 1000 <= b <= 9999
+        assert tok.decode(row) == s and row[len(s):] == [14] * (17 - len(s))  # right-padded with id 14
+        eq = s.index("=")
+        # targets: next token from "=" on, i.e. the space, the reversed answer and §; nothing else
+        assert tgt[:eq] == [-1] * eq and tok.decode(tgt[eq:len(s) - 1]) == s[eq + 1:]
+        assert tgt[len(s) - 1:] == [-1] * (17 - len(s) + 1)
+    assert tok.decode(train.addition_batch(1, 4, torch.Generator().manual_seed(3))[0][0].tolist()).count("§") == 1
+    # held-out problems never appear in training batches (2 digits: only 8,100 problems, collisions are common)
+    held = train.addition_heldout(2, 1000, 1337)[2].numpy()
+    for step in range(20):
+        _, _, c = train.addition_batch(256, 2, torch.Generator().manual_seed(step), exclude=held)
+        assert not np.isin(c.numpy(), held).any()
+
+
+def test_train_addition_teacher_forced_exact_match_equals_greedy_decoding(tmp_path):
+    out = str(tmp_path / "add")
+    argv = ["--task", "addition", "--digits", 2, "--n_embd", 64, "--n_head", 4, "--n_layer", 1, "--n_loop", 1,
+            "--mlp", "gelu", "--block_norm", "sandwich", "--inject", "--dropout", 0, "--batch_size", 128,
+            "--max_iters", 120, "--learning_rate", 5e-3, "--eval_interval", 120, "--log_interval", 60,
+            "--eval_loops", 3, "--eval_problems", 50, "--out_dir", out, "--device", "cpu", "--num_threads", 1]
+    assert _run_train(argv) == 0
+    ckpt = train.load_checkpoint(out)
+    model = train.model_from_checkpoint(ckpt)
+    cfg = train.TrainConfig(**ckpt["config"])
+    acc = train.addition_eval(model, cfg, 3, "cpu")["accuracy"]
+    x, _, codes = train.addition_heldout(2, 50, cfg.seed)
+    tok = train.get_tokenizer({"kind": "addition"})
+    verdicts = []
+    for k in (1, 2, 3):  # real greedy decoding, token by token, until §
+        seq = x[:, :6]  # "ab+cd="
+        with torch.no_grad():
+            for _ in range(5):  # " " + up to 3 digits + "§"
+                logits = model.readout(model.loop_states(seq, k)[-1][:, -1], k, k)
+                seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
+        right = []
+        for row, code in zip(seq[:, 6:].tolist(), codes.tolist()):
+            a, b = divmod(code, 100)
+            text = tok.decode(row)
+            right.append(text[: text.index("§") + 1] == f" {str(a + b)[::-1]}§" if "§" in text else False)
+        verdicts += right
+        assert round(acc[str(k)] * 50) == sum(right), (k, acc[str(k)], sum(right))
+    assert 0 < sum(verdicts) < len(verdicts)  # a mix of right and wrong answers: the comparison means something
+
 
 # ---------------------------------------------------------------- sample.py (issue 6)
 @pytest.fixture
@@ -482,6 +963,7 @@ def test_adaptive_eval_and_calibrate(one_thread):
 
 
 def test_sample_cli(tmp_path, one_thread):
+    import os
     import subprocess
     import sys
     from dataclasses import asdict
@@ -490,15 +972,15 @@ def test_sample_cli(tmp_path, one_thread):
     ckpt = {"model": m.state_dict(), "model_args": asdict(m.config), "iter_num": 0, "tokenizer": {"kind": "bytes"},
             "config": {"task": "lm", "dataset": "pydoc", "tokenizer": "bytes", "seed": 1}}
     torch.save(ckpt, tmp_path / "ckpt.pt")
-    r = subprocess.run([sys.executable, "sample.py", "--help"], capture_output=True, text=True)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sample.py")
+    r = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--exit_threshold" in r.stdout and "[1.01]" in r.stdout
-    r = subprocess.run([sys.executable, "sample.py", "--out_dir", str(tmp_path), "--start", "x" * 33],
+    r = subprocess.run([sys.executable, script, "--out_dir", str(tmp_path), "--start", "x" * 33],
                        capture_output=True, text=True)  # block_size is 32
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "block_size of 32" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
     assert sample.main(["--out_dir", str(tmp_path / "missing")]) == 1
     assert sample.main(["--out_dir", str(tmp_path), "--exit", "margin"]) == 2  # no threshold
-    out = tmp_path / "out.txt"
     import contextlib, io
     with contextlib.redirect_stdout(io.StringIO()) as f:
         assert sample.main(["--out_dir", str(tmp_path), "--start", "ab", "--num_samples", "2", "--max_new_tokens", "8",
@@ -506,4 +988,57 @@ def test_sample_cli(tmp_path, one_thread):
     lines = [l for l in f.getvalue().splitlines() if l.startswith("---------------")]
     assert len(lines) == 2 and all("8 tokens, 1.00 loops/token" in l for l in lines), f.getvalue()
 
+
+def test_sample_answers_addition_after_training(tmp_path, one_thread, capsys):
+    # train.py on 2-digit addition (~500 steps, ~30 s on 2 cores), then sample.py prints sums in
+    # reading order (the model writes the digits least significant first)
+    import os
+    import re
+    import sample
+    import train
+    d, here = str(tmp_path / "add"), os.path.dirname(os.path.abspath(__file__))
+    assert train.main([os.path.join(here, "config/addition_cpu.py"), "--digits", "2", "--n_embd", "64",
+                       "--mlp_hidden", "256", "--n_loop", "2", "--batch_size", "128", "--learning_rate", "3e-3",
+                       "--min_lr", "3e-4", "--max_iters", "500", "--warmup_iters", "20", "--eval_loops", "2",
+                       "--eval_problems", "200", "--eval_interval", "500", "--log_interval", "500",
+                       "--num_threads", "1", "--out_dir", d]) == 0
+    right = 0
+    for a, b in ((12, 34), (99, 99), (57, 68), (10, 10), (45, 55), (23, 89), (70, 31), (66, 66), (18, 27), (91, 19)):
+        capsys.readouterr()
+        assert sample.main(["--out_dir", d, "--start", f"{a}+{b}=", "--device", "cpu"]) == 0
+        line = capsys.readouterr().out.splitlines()[0]
+        raw = re.search(r"model wrote '(.*)'", line)[1]
+        assert line.startswith(f"{a}+{b}={raw.split('§')[0].strip()[::-1]}"), line  # display = raw reversed
+        right += line.startswith(f"{a}+{b}={a + b} ")
+    assert right >= 8, right
+    # batch-1 cached greedy decoding agrees exactly with the teacher-forced parallel verdict
+    ckpt = train.load_checkpoint(d)
+    model = train.model_from_checkpoint(ckpt)
+    x, y = sample.eval_data(ckpt, model, 100)
+    fixed = sample.adaptive_eval(sample.loop_table(model, x, y, 2, "max_prob"), "max_prob", 2.0)[0]
+    assert abs(sample.decode_forced(model, x, y, 2)["exact"] - fixed["exact"]) < 1e-6 and fixed["exact"] >= 0.8
+
 # ---------------------------------------------------------------- bench.py (issue 9)
+def test_bench_train_flops_by_hand():
+    import bench
+    # d 32, 2 layers, SwiGLU hidden 128: per block c_attn 32·96 + attn c_proj 32·32 + c_fc 32·256
+    # + mlp c_proj 128·32 + two RMSNorm gains 2·32 = 16,448; the tied head is 61·32 = 1,952
+    m = tiny()
+    per_token = 6 * (3 * 2 * 16_448 + 1_952) + 12 * (2 * 3) * 8 * 32  # K = 3 loops, T = 8, one readout
+    assert bench.train_flops(m, 3, 2, 8) == per_token * 2 * 8 == 9_956_352
+    m = tiny(per_loop_ce=True)  # every loop's readout is a V·d matmul too
+    assert bench.train_flops(m, 3, 2, 8) == (6 * (3 * 2 * 16_448 + 3 * 1_952) + 12 * 6 * 8 * 32) * 16
+
+
+def test_bench_reports_every_figure():
+    import bench
+    shape = dict(n_embd=32, n_head=4, n_layer=1, n_loop=4, vocab_size=61, block_size=32, batch_size=2)
+    res = bench.bench(bench.parse_args(["--warmup", "0", "--reps", "1"]), shape, "cpu")
+    keys = {"loop_vs_unrolled", "mfu", "stars_overhead", "train_tps_loop", "train_tps_unrolled", "peak_gflops",
+            "gen_tps_fixed", "gen_tps_adaptive", "adaptive_mean_loops"}
+    keys |= {f"eval_tps_k{k}" for k in range(1, 5)}
+    keys |= {f"mem_mb_{m}_K{K}" for K in (4, 8, 16) for m in ("plain", "checkpoint", "truncated")}
+    assert keys <= res.keys(), keys - res.keys()
+    assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in res.values()), res
+    assert 1 <= res["adaptive_mean_loops"] <= 4
+

@@ -228,8 +228,8 @@ def parse_args(argv):
     model = {k: values[k] for k in (f.name for f in fields(LoopLMConfig))}
     try:
         LoopLMConfig(**model)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    except ValueError as e:  # looplm says "n_loop=0 is invalid...": name the option the user typed
+        raise UsageError("--" + re.sub(r"^(\w+)=", r"\1 ", str(e))) from None
     return cfg, model, given
 
 
@@ -248,7 +248,8 @@ def coerce(name, v, f):
 
 
 def print_help(values):
-    print(__doc__.strip() + "\n\noptions (booleans: --name / --no_name):")
+    print(__doc__.strip() + "\n\noptions (booleans: --name, --no_name or --name=true|false; with --init_from resume,"
+          "\nthe checkpoint's settings are used except those given on the command line):")
     for group, cls in (("training", TrainConfig), ("model (looplm.LoopLMConfig)", LoopLMConfig)):
         print(f"\n  {group}:")
         for f in fields(cls):
@@ -341,6 +342,7 @@ def read_texts(cfg):
 
 
 def reachable(host, port=443, timeout=3.0):
+    """Can we open a TCP connection to host within timeout seconds? (A cheap test for "offline".)"""
     import socket
     try:
         socket.create_connection((host, port), timeout=timeout).close()
@@ -384,10 +386,10 @@ def prepare_data(cfg):
                 lines = text.splitlines(keepends=True)
                 chunks = ["".join(lines[i:i + 2000]) for i in range(0, len(lines), 2000)]
                 ids = [i for c in tqdm(chunks, desc=f"tokenizing {split}", disable=None) for i in tok.encode(c)]
-                # write under a name of this process, then rename: torchrun ranks may tokenize at the same time
-                tmp = os.path.join(folder, f"{split}.{os.getpid()}.tmp")
                 if not ids:
                     raise RunError(f"the {split} split of --dataset {cfg.dataset} has no tokens; use more text")
+                # write under a name of this process, then rename: torchrun ranks may tokenize at the same time
+                tmp = os.path.join(folder, f"{split}.{os.getpid()}.tmp")
                 arr = np.memmap(tmp, dtype=dtype, mode="w+", shape=(len(ids),))
                 arr[:] = ids
                 arr.flush()
@@ -507,7 +509,9 @@ def load_checkpoint(path, device="cpu"):
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
-        raise RunError(f"checkpoint {path} is unreadable (truncated or corrupted?): {type(e).__name__}") from None
+        why = ("it holds objects other than tensors and plain data, which weights_only=True refuses to unpickle"
+               if "unsupported global" in str(e).lower() else f"truncated or corrupted? {type(e).__name__}")
+        raise RunError(f"checkpoint {path} is unreadable ({why})") from None
 
 
 def model_from_checkpoint(ckpt, device="cpu"):
