@@ -111,12 +111,15 @@ def matmul_peak(model, B, T, device, reps=5):
     return best
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.process_time
+
+
 def timed(fn, device):
     sync(device)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     fn()
     sync(device)
-    return time.perf_counter() - t0
+    return CLOCK() - t0
 
 
 def interleaved(fns, warmup, reps, device):
@@ -159,19 +162,20 @@ def eval_throughput(model, X, K, ctx, args, device):
     return res
 
 
-def memory_runs(args, shape, device):
+def memory_runs(args, shape, device, child=False):
     """Peak memory of one training step over what the model's weights already hold (so: activations,
-    gradients, AdamW state, temporaries), in MiB, at K = 4, 8, 16, plain / checkpoint / truncated backprop.
+    gradients, AdamW state, temporaries), in MiB, at K = --mem_loops: plain / checkpoint / truncated backprop.
     Terminal CE here: a per-loop readout keeps every loop's logits, which no loop-side trick can drop.
     CUDA: torch.cuda.max_memory_allocated. CPU (Linux): a child process, where every tensor over 1 MiB is
     mmapped and unmapped when freed, so RSS follows live memory, trims the heap and resets the peak RSS
     (/proc/self/clear_refs) before each step, and reports VmHWM - VmRSS before the step."""
-    specs = [(K, m) for K in (4, 8, 16) for m in ("plain", "checkpoint", "truncated")]
-    if device == "cpu":
-        cmd = [sys.executable, os.path.abspath(__file__), "--_memory", json.dumps(shape), "--grad_loops", str(args.grad_loops)]
+    if device == "cpu" and not child:
+        cmd = [sys.executable, os.path.abspath(__file__), "--_memory", json.dumps(shape), "--grad_loops",
+               str(args.grad_loops), "--mem_loops", args.mem_loops] + ["--compile"] * args.compile
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         return json.loads(out.strip().splitlines()[-1])
-    return {f"mem_mb_{m}_K{K}": memory_one(args, shape, device, K, m) for K, m in specs}
+    return {f"mem_mb_{m}_K{K}": memory_one(args, shape, device, K, m)
+            for K in map(int, args.mem_loops.split(",")) for m in ("plain", "checkpoint", "truncated")}
 
 
 def memory_one(args, shape, device, K, mode):
@@ -236,9 +240,12 @@ def parse_args(argv=None):
     p.add_argument("--per_loop_ce", action="store_true", help="train on mean_k CE_k, as config/*.py do (default: "
                    "CE_K, so that the looped and the unrolled model have equal FLOPs)")
     p.add_argument("--compile", action="store_true", help="torch.compile model.step (as train.py --compile)")
+    p.add_argument("--mem_loops", default="4,8,16", help="loop counts K of the memory runs")
     p.add_argument("--no_memory", action="store_true", help="skip the memory runs")
     p.add_argument("--no_tune_malloc", action="store_true", help="keep glibc's default malloc (see tune_malloc)")
     p.add_argument("--threads", type=int, default=0, help="torch threads on CPU (default: torch's choice)")
+    p.add_argument("--clock", default="wall", choices=("wall", "cpu"), help="wall: seconds; cpu: CPU seconds of this "
+                   "process, blind to other processes on a shared machine (needs --threads 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--_memory", default=None, help=argparse.SUPPRESS)  # internal: the CPU memory child
     return p.parse_args(argv)
@@ -248,13 +255,16 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        if torch.get_num_threads() != 1 or args.device != "cpu":
+            sys.exit("--clock cpu counts the CPU time of all threads: use it with --threads 1 on CPU")
+        global CLOCK
+        CLOCK = time.process_time
     if args._memory:  # every tensor over 1 MiB gets its own mapping, returned to the OS when freed
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
         shape = json.loads(args._memory)
-        memory_one(args, shape, "cpu", 4, "plain")  # a first step also pays one-time allocations
-        res = {f"mem_mb_{m}_K{K}": memory_one(args, shape, "cpu", K, m)
-               for K in (4, 8, 16) for m in ("plain", "checkpoint", "truncated")}
-        print(json.dumps(res))
+        memory_one(args, shape, "cpu", 1, "plain")  # a first step also pays one-time allocations
+        print(json.dumps(memory_runs(args, shape, "cpu", child=True)))
         return
     if args.quick:
         args.warmup, args.reps = 1, 3
@@ -265,7 +275,7 @@ def main(argv=None):
     load0 = os.getloadavg()
     results = {s: bench(args, dict(SHAPES[s], batch_size=args.batch_size or SHAPES[s]["batch_size"]), args.device)
                for s in shapes}
-    meta = dict(device=args.device, threads=torch.get_num_threads(), torch=torch.__version__, malloc_tuned=tuned,
+    meta = dict(device=args.device, threads=torch.get_num_threads(), clock=args.clock, torch=torch.__version__, malloc_tuned=tuned,
                 loadavg_start=load0[0], loadavg_end=os.getloadavg()[0], warmup=args.warmup, reps=args.reps)
     if args.json:
         print(json.dumps({"meta": meta, **results}, indent=1))

@@ -124,7 +124,7 @@ HELP = {  # one line per option, shown by --help
     "eval_loops": "evaluate loops 1..N (0 = n_loop; addition: default 32)",
     "eval_problems": "held-out addition problems for exact match",
     "sample_tokens": "print a greedy sample of this many tokens at the end (LM task)",
-    "compare": "comma-separated run dirs: overlay their addition accuracy (or PPL) vs loops in out_dir and exit",
+    "compare": "comma-separated run dirs: print a table of their reports, overlay their plots in out_dir, exit",
     "device": "auto | cpu | cuda | cuda:N",
     "dtype": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16",
     "compile": "torch.compile the loop step (CUDA)",
@@ -607,7 +607,13 @@ def plot_report(out_dir, report, log_rows):
         fig.savefig(os.path.join(out_dir, "norm_hist.png"), dpi=90)
         plt.close(fig)
     if "addition" in report:
-        plot_compare([out_dir], os.path.join(out_dir, "addition.png"))
+        acc = report["addition"]["accuracy"]
+        fig, ax = plt.subplots(figsize=(5, 3.4))
+        ax.plot([int(k) for k in acc], [100 * v for v in acc.values()], "o-")
+        ax.set(xlabel="loops at inference", ylabel="exact match (%)", xscale="log", title="addition, held out")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "addition.png"), dpi=90)
+        plt.close(fig)
     train_rows = [r for r in log_rows if "loss" in r]
     if train_rows:
         fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
@@ -620,25 +626,65 @@ def plot_report(out_dir, report, log_rows):
         plt.close(fig)
 
 
-def plot_compare(dirs, path):
-    """Overlay several runs: addition accuracy vs loops, or LM PPL vs loops."""
+def read_log(d):
+    p = os.path.join(d, "log.jsonl")
+    return [json.loads(l) for l in open(p)] if os.path.exists(p) else []
+
+
+def drift_exponent(log_rows):
+    """Fit ‖H_K‖ ∝ step^b over the second half of training (least squares in log-log): b ≈ 0
+    means the norm has saturated, b > 0 that it is still growing (b = 1: linearly)."""
+    rows = [r for r in log_rows if "norm_K" in r]
+    half = [r for r in rows if rows and r["iter"] >= rows[-1]["iter"] / 2]
+    if len(half) < 3:
+        return None
+    return float(np.polyfit(np.log([r["iter"] for r in half]), np.log([r["norm_K"] for r in half]), 1)[0])
+
+
+def compare_runs(dirs, out):
+    """--compare: overlay several runs' plots in out/ and print a markdown table, a row per run.
+    Addition runs: exact match vs loops. LM runs: PPL vs K and ‖H_K‖ vs training step."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    for d in dirs:
-        rep = json.load(open(os.path.join(d, "report.json")))
-        if "addition" in rep:
-            acc = rep["addition"]["accuracy"]
-            ax.plot([int(k) for k in acc], [100 * v for v in acc.values()], label=os.path.basename(d.rstrip("/")))
-            ax.set(xlabel="loops at inference", ylabel="exact match (%)", xscale="log")
-        else:
-            ax.plot([r["k"] for r in rep["per_loop"]], [r["ppl"] for r in rep["per_loop"]], "o-", label=os.path.basename(d.rstrip("/")))
-            ax.set(xlabel="loops at inference", ylabel="validation PPL")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    runs = {os.path.basename(d.rstrip("/")): (json.load(open(os.path.join(d, "report.json"))), read_log(d)) for d in dirs}
+    add = all("addition" in rep for rep, _ in runs.values())
+    figs = [("compare_accuracy.png",)] if add else [("compare_ppl.png",), ("compare_norms.png",)]
+    axes = []
+    for _ in figs:
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        axes.append((fig, ax))
+    if add:
+        ks = (1, 2, 4, 8, 16, 32)
+        print("| run | " + " | ".join(f"K={k}" for k in ks) + " | residual at K=32 | ρ at K=32 |\n|" + "---|" * (len(ks) + 3))
+        for name, (rep, _) in runs.items():
+            a = rep["addition"]
+            axes[0][1].plot([int(k) for k in a["accuracy"]], [100 * v for v in a["accuracy"].values()], label=name)
+            fmt = lambda v, f: "n/a" if v is None else format(v, f)
+            print(f"| {name} | " + " | ".join(fmt(100 * a["accuracy"][str(k)], ".1f") + "%" if str(k) in a["accuracy"] else "n/a"
+                                         for k in ks) + f" | {fmt(a['residual'].get('32'), '.2e')} | {fmt(a['rho'].get('32'), '.3f')} |")
+        axes[0][1].set(xlabel="loops at inference", ylabel="exact match (%)", xscale="log")
+    else:
+        print("| run | ‖H_K‖ mean | p99 | max | radial fraction | PPL K=1 | K=2 | K=3 | K=4 | ΔPPL 1→4 | clamp ΔCE | "
+              "drift exponent b |\n|" + "---|" * 12)
+        for name, (rep, log) in runs.items():
+            rows, b = rep["per_loop"], drift_exponent(log)
+            last = rows[-1]
+            axes[0][1].plot([r["k"] for r in rows], [r["ppl"] for r in rows], "o-", label=name)
+            train_rows = [r for r in log if "norm_K" in r]
+            axes[1][1].semilogy([r["iter"] for r in train_rows], [r["norm_K"] for r in train_rows], label=name)
+            print(f"| {name} | {last['norm_mean']:.1f} | {last['norm_p99']:.1f} | {last['norm_max']:.1f} | "
+                  f"{last['radial_fraction']:.1e} | " + " | ".join(f"{r['ppl']:.3f}" for r in rows[:4]) +
+                  f" | {rows[min(3, len(rows) - 1)]['ppl'] - rows[0]['ppl']:+.3f} | {last['clamp_delta_ce']:+.4f} | "
+                  + ("n/a" if b is None else f"{b:+.2f}") + " |")
+        axes[0][1].set(xlabel="loops at inference (K)", ylabel="validation PPL")
+        axes[1][1].set(xlabel="training step", ylabel="mean per-token ‖H_K‖₂ (train batch)")
+    for (name,), (fig, ax) in zip(figs, axes):
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, name), dpi=90)
+        plt.close(fig)
+    return [os.path.join(out, name) for (name,) in figs]
 
 
 # ------------------------------------------------------------------ training
@@ -663,8 +709,7 @@ def run(cfg, model_args, given):
         for d in dirs:
             if not os.path.isfile(os.path.join(d, "report.json")):
                 raise RunError(f"{d}/report.json not found; train or --eval_only that run first")
-        plot_compare(dirs, os.path.join(cfg.out_dir, "compare.png"))
-        print(f"wrote {os.path.join(cfg.out_dir, 'compare.png')}")
+        print("wrote " + ", ".join(compare_runs(dirs, cfg.out_dir)))
         return 0
     # -- distributed (torchrun sets these): every rank trains on its own batches, gradients averaged
     ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -913,9 +958,7 @@ def run(cfg, model_args, given):
 
 def finish(cfg, report):
     atomic_write_text(os.path.join(cfg.out_dir, "report.json"), json.dumps(report, indent=1))
-    log_path = os.path.join(cfg.out_dir, "log.jsonl")
-    rows = [json.loads(l) for l in open(log_path)] if os.path.exists(log_path) else []
-    plot_report(cfg.out_dir, report, rows)
+    plot_report(cfg.out_dir, report, read_log(cfg.out_dir))
     print(f"wrote {cfg.out_dir}/report.json and plots")
 
 
