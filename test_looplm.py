@@ -822,6 +822,20 @@ def test_train_addition_teacher_forced_exact_match_equals_greedy_decoding(tmp_pa
     assert 0 < sum(verdicts) < len(verdicts)  # a mix of right and wrong answers: the comparison means something
 
 
+def test_train_compare_prints_table_and_drift_exponent(trained_run, tmp_path, capsys):
+    # the drift fit recovers a known power law; --compare turns reports into a table row and plots
+    rows = [{"iter": s, "norm_K": 3.0 * s ** 0.5} for s in range(10, 201, 10)]
+    assert abs(train.drift_exponent(rows) - 0.5) < 1e-9
+    assert abs(train.drift_exponent([{"iter": s, "norm_K": 7.0} for s in range(10, 201, 10)])) < 1e-9
+    capsys.readouterr()
+    assert _run_train(["--compare", trained_run, "--out_dir", tmp_path]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rep = json.load(open(os.path.join(trained_run, "report.json")))["per_loop"]
+    row = [l for l in out if l.startswith("| " + os.path.basename(trained_run))][0].split("|")
+    assert float(row[6]) == round(rep[0]["ppl"], 3)  # PPL at K=1
+    assert len(row) == len(out[0].split("|")) and os.path.isfile(tmp_path / "compare_norms.png")
+
+
 # ---------------------------------------------------------------- sample.py (issue 6)
 @pytest.fixture
 def one_thread():

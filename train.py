@@ -674,7 +674,8 @@ def compare_runs(dirs, out):
             train_rows = [r for r in log if "norm_K" in r]
             axes[1][1].semilogy([r["iter"] for r in train_rows], [r["norm_K"] for r in train_rows], label=name)
             print(f"| {name} | {last['norm_mean']:.1f} | {last['norm_p99']:.1f} | {last['norm_max']:.1f} | "
-                  f"{last['radial_fraction']:.1e} | " + " | ".join(f"{r['ppl']:.3f}" for r in rows[:4]) +
+                  f"{last['radial_fraction']:.1e} | " + " | ".join(f"{r['ppl']:.3f}" for r in rows[:4])
+                  + " | n/a" * (4 - min(4, len(rows))) +
                   f" | {rows[min(3, len(rows) - 1)]['ppl'] - rows[0]['ppl']:+.3f} | {last['clamp_delta_ce']:+.4f} | "
                   + ("n/a" if b is None else f"{b:+.2f}") + " |")
         axes[0][1].set(xlabel="loops at inference (K)", ylabel="validation PPL")
