@@ -1,8 +1,8 @@
 """
 bench.py: what a looped LM costs. K loops should cost K ordinary passes, and nothing more.
 
-    python bench.py                       # CPU: the 44M shape and config/cpu_tiny.py's shape (~15 min, 2 cores)
-    python bench.py --quick --json        # smoke run, a small shape, under a minute
+    python bench.py                       # CPU: the 44M shape and config/cpu_tiny.py's shape (minutes)
+    python bench.py --quick --json        # smoke run: a small shape, seconds
     python bench.py --threads 1 --clock cpu   # on a shared machine: CPU seconds, blind to other processes
     python bench.py --device cuda --shape 44m --batch_size 64 [--compile]
 
@@ -48,23 +48,18 @@ def tune_malloc():
     """glibc serves each large tensor (logits, an optimizer temporary) by mmap and unmaps it when it is
     freed, so every step page-faults it in again: on these VMs up to half of a step at vocab 50k.
     Keep freed memory in the heap for reuse instead (no mmap, no trimming). Linux/glibc only."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-4, 0) and libc.mallopt(-1, 2**31 - 1))  # M_MMAP_MAX 0, M_TRIM_THRESHOLD
+    try:  # M_MMAP_MAX = 0, M_TRIM_THRESHOLD = 2 GiB
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-4, 0) and ctypes.CDLL("libc.so.6").mallopt(-1, 2**31 - 1))
     except (OSError, AttributeError):
         return False
 
 
-def sync(device):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def timed(fn, device):
-    sync(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
+    sync()
     t0 = CLOCK()
     fn()
-    sync(device)
+    sync()
     return CLOCK() - t0
 
 
@@ -120,7 +115,7 @@ def train_flops(model, K, B, T):
 
 
 def matmul_peak(model, B, T, device, reps=5):
-    """Best float32 FLOP/s of torch.mm at the model's largest shapes: (B*T, d) x (d, MLP input width)
+    """Best float32 FLOP/s of torch.mm at the model's largest shapes: (B*T, d) x (d, MLP fc width)
     and (B*T, d) x (d, V); the best of reps calls after one warm-up call."""
     d, best = model.config.n_embd, 0.0
     for n in (model.blocks[0].mlp.c_fc.out_features, model.config.vocab_size):
@@ -134,21 +129,19 @@ def matmul_peak(model, B, T, device, reps=5):
 @torch.no_grad()
 def eval_throughput(model, X, K, ctx, args, device):
     """Tokens/s of a forward at depth k = 1..K (last-position readout, as train.py's depth_throughput), then
-    of KV-cached generation (sample.generate, greedy) of n_new tokens after the batch's first T - n_new, at
-    fixed depth K and with adaptive exit (max_prob). The exit threshold is the median loop-1 max_prob on
-    the batch, so that even a random model has tokens on both sides of it."""
+    of KV-cached generation (sample.generate, greedy; prefill of the prompt, the batch's first T/8 tokens,
+    included) of n_new new tokens per row at fixed depth K and with adaptive exit (max_prob). The exit
+    threshold is the median loop-1 max_prob on the prompt, so even a random model has tokens both sides."""
     model.eval()
-    res = {}
     with ctx:
         meds = interleaved([lambda k=k: model(X, n_loops=k) for k in range(1, K + 1)], args.warmup, args.reps, device)
-    res.update({f"eval_tps_k{k}": X.numel() / t for k, t in enumerate(meds, 1)})
+    res = {f"eval_tps_k{k}": X.numel() / t for k, t in enumerate(meds, 1)}
     try:
         from sample import exit_score, generate
     except ImportError:
         print("note: sample.py has no generate/exit_score: adaptive exit not measured", file=sys.stderr)
         return res
-    n_new = min(32, X.size(1) // 2)
-    prompt, loops = X[:, : X.size(1) - n_new], []
+    n_new, prompt, loops = min(32, X.size(1) // 2), X[:, : max(1, X.size(1) // 8)], []
     with ctx:
         thr = exit_score(model.readout(model.loop_states(prompt, 1)[0], 1, K), "max_prob").median().item()
         fixed = lambda: generate(model, prompt, n_new, K, temperature=0)
@@ -192,8 +185,8 @@ def memory_one(args, shape, device, K, mode):
     status = lambda key: int(re.search(key + r":\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # return the previous run's freed heap to the OS
     base = status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # peak RSS := current RSS
+    with open("/proc/self/clear_refs", "w") as f:  # peak RSS := current RSS
+        f.write("5")
     step()
     return (status("VmHWM") - base) / 2**20
 
@@ -205,15 +198,14 @@ def bench(args, shape, device):
     B, T, K, L = shape["batch_size"], loop.config.block_size, loop.config.n_loop, loop.config.n_layer
     unrolled, unrolled_opt = make_model(args, shape, device, n_layer=L * K, n_loop=1)
     X, Y = torch.randint(0, loop.config.vocab_size, (2, B, T), device=device)
-    cpu_peak = lambda: matmul_peak(loop, B, T, device)
-    peak = args.peak_flops or (989e12 if device.startswith("cuda") else cpu_peak())
+    peak = args.peak_flops or (989e12 if device.startswith("cuda") else matmul_peak(loop, B, T, device))
     steps = [lambda: train_step(loop, loop_opt, X, Y, K, ctx),
              lambda: train_step(unrolled, unrolled_opt, X, Y, 1, ctx),
              lambda: train_step(loop, loop_opt, X, Y, K, ctx, lam=0.1, mode=args.stars_mode, rows=args.stars_rows)]
     t_loop, t_unrolled, t_stars = interleaved(steps, args.warmup, args.reps, device)
     del unrolled, unrolled_opt
     if device == "cpu" and not args.peak_flops:  # measured again after the steps; the best counts
-        peak = max(peak, cpu_peak())
+        peak = max(peak, matmul_peak(loop, B, T, device))
     flops = train_flops(loop, K, B, T)
     res = dict(loop_vs_unrolled=t_unrolled / t_loop, mfu=flops / t_loop / peak, stars_overhead=t_stars / t_loop,
                train_tps_loop=B * T / t_loop, train_tps_unrolled=B * T / t_unrolled, step_s=t_loop,
@@ -228,7 +220,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default=None, help=f"comma-separated, of {', '.join(SHAPES)} "
                    "(default: 44m,tiny on CPU, 44m on CUDA, quick with --quick)")
-    p.add_argument("--quick", action="store_true", help="smoke run: the quick shape, 1 warm-up call, 3 timed")
+    p.add_argument("--quick", action="store_true", help="smoke run: the quick shape, 1 thread, 1 warm-up call, 3 timed")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--batch_size", type=int, default=0, help="override the shape's batch size")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per configuration")
@@ -255,6 +247,8 @@ def parse_args(argv=None):
 def main(argv=None):
     global CLOCK
     args = parse_args(argv)
+    if args.quick:  # one thread: seconds even on a busy shared machine, where OpenMP threads wait on each other
+        args.warmup, args.reps, args.threads = 1, 3, args.threads or 1
     if args.threads:
         torch.set_num_threads(args.threads)
     if args._memory:
@@ -266,8 +260,6 @@ def main(argv=None):
         if torch.get_num_threads() != 1 or args.device != "cpu":
             sys.exit("--clock cpu adds up the CPU time of all threads: use it with --threads 1 on CPU")
         CLOCK = time.process_time
-    if args.quick:
-        args.warmup, args.reps = 1, 3
     cuda = args.device.startswith("cuda")
     names = (args.shape or ("quick" if args.quick else "44m" if cuda else "44m,tiny")).split(",")
     if cuda:

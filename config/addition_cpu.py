@@ -18,7 +18,7 @@ warmup_iters = 50
 min_lr = 1e-4
 weight_decay = 0.01
 loop_mu, loop_sigma, loop_max = 1.2, 0.5, 16   # median 3.3 loops: the baseline's compute
-                                                  # (Paper B's mu 2, sigma 0.7 did not learn in this budget, SPEC §4)
+                                                  # (SPEC §4: Paper B's mu 2, sigma 0.7 did not learn in 800 steps at this size)
 stars_warmup = 320            # 20% of training, as Paper B's 2k of 10k
 eval_interval = 800
 eval_loops = 32
