@@ -651,7 +651,7 @@ def test_train_two_process_gloo_ddp_keeps_ranks_identical(train_data_args, tmp_p
     out = str(tmp_path / "run")
     # a cold cache: both ranks tokenize at the same time
     args = [*TRAIN_TINY, *train_data_args[:4], "--cache_dir", str(tmp_path / "cache"), "--learning_rate", "1e-2"]
-    env = {**TRAIN_ENV, "MASTER_ADDR": "127.0.0.1", "RANK_DIR": str(tmp_path)}
+    env = {**TRAIN_ENV, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "RANK_DIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), str(wrapper), *args, "--out_dir", out]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)

@@ -476,7 +476,7 @@ def addition_eval(model, cfg, max_loops, device):
         h0 = model.embed(xb).detach()
         for k in sorted({1, 2, 4, 8, 16, 32, 64, 100, max_loops}):
             if k <= max_loops:
-                rho[str(k)] = stars.spectral_radius(stars.looplm_step_fn(model, h0), states[k - 1], iters=10)
+                rho[str(k)] = stars.spectral_radius(stars.looplm_step_fn(model, h0), h0 if k == 1 else states[k - 2], iters=10)
     return {"accuracy": acc, "residual": resid, "rho": rho}
 
 
@@ -525,7 +525,8 @@ def model_from_checkpoint(ckpt, device="cpu"):
 def evaluate_lm(model, val, cfg, K_eval, device, ctx):
     """Per loop k = 1..K_eval: CE/PPL, ‖H_k‖ stats (L2, per token), radial gradient fraction,
     fixed-point residual, spectral radius of the loop map, clamp ΔCE, tokens/s at depth k.
-    Same batches for every k."""
+    Row k is the model run with k loops (readout(h, k, k): for final_norm, loop k is the
+    normalized one). Same batches for every k."""
     B, T = min(cfg.batch_size, 16), model.config.block_size
     g = torch.Generator().manual_seed(cfg.seed + 999)  # fixed validation batches
     batches = [get_batch(val, B, T, g) for _ in range(cfg.eval_iters)]
@@ -537,7 +538,7 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
             states = model.loop_states(x, K_eval)
             clamped = model.loop_states(x, K_eval, clamp=True)
             for k in range(1, K_eval + 1):
-                lk = lambda s: F.cross_entropy(model.readout(s[k - 1], k, K_eval).float().flatten(0, 1), y.flatten())
+                lk = lambda s: F.cross_entropy(model.readout(s[k - 1], k, k).float().flatten(0, 1), y.flatten())
                 ce[k - 1] += lk(states).item() / len(batches)
                 ce_clamp[k - 1] += lk(clamped).item() / len(batches)
                 norms[k - 1].append(token_norms(states[k - 1]).cpu())
@@ -545,15 +546,16 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
                     res[k - 1] += fixed_point_residual(states[k - 2], states[k - 1]) / len(batches)
     x, y = batches[0][0].to(device), batches[0][1].to(device)
     states = model.loop_states(x, K_eval)
-    step = stars.looplm_step_fn(model, model.embed(x[:4]))  # ρ(∂H_k/∂H_{k-1}) on 4 sequences, float32
+    h0 = model.embed(x[:4])
+    step = stars.looplm_step_fn(model, h0)  # ρ(∂H_k/∂H_{k-1}): the loop map at its input, 4 sequences
     rows = []
     for k in range(1, K_eval + 1):
         s = norm_stats(torch.cat(norms[k - 1]))
         rows.append({"k": k, "ce": ce[k - 1], "ppl": math.exp(ce[k - 1]),
                      **{f"norm_{n}": s[n] for n in ("mean", "median", "p99", "max", "std", "min")},
-                     "radial_fraction": radial_fraction(model, states[k - 1], y, k, K_eval),
+                     "radial_fraction": radial_fraction(model, states[k - 1], y, k, k),
                      "fixed_point_residual": res[k - 1] if k > 1 else None,
-                     "spectral_radius": stars.spectral_radius(step, states[k - 1][:4], iters=10),
+                     "spectral_radius": stars.spectral_radius(step, (h0 if k == 1 else states[k - 2][:4]), iters=10),
                      "clamp_delta_ce": ce_clamp[k - 1] - ce[k - 1],
                      "tokens_per_s": depth_throughput(model, x, k, device, ctx)})
     return rows, sum(len(n) for n in norms[0])
@@ -649,6 +651,8 @@ def compare_runs(dirs, out):
     import matplotlib.pyplot as plt
     runs = {os.path.basename(d.rstrip("/")): (json.load(open(os.path.join(d, "report.json"))), read_log(d)) for d in dirs}
     add = all("addition" in rep for rep, _ in runs.values())
+    if not add and any("addition" in rep for rep, _ in runs.values()):
+        raise UsageError("--compare takes either addition runs or language-model runs, not a mix")
     figs = [("compare_accuracy.png",)] if add else [("compare_ppl.png",), ("compare_norms.png",)]
     axes = []
     for _ in figs:
@@ -727,7 +731,7 @@ def run(cfg, model_args, given):
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if "cuda" in device else "float32")
-    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if "cuda" in device and dtype == "bfloat16" else nullcontext()
+    ctx = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)
