@@ -2,7 +2,7 @@
 train.py: train and evaluate looped LMs, on one GPU, on a CPU, or on several processes (torchrun).
 
     python train.py --readout raw --per_loop_ce                  # Paper A's 44M shape on WikiText-103
-    python train.py config/cpu_tiny.py                           # a real run on a laptop CPU, ~5 minutes
+    python train.py config/cpu_tiny.py                           # a real run on a 2-core CPU, ~4 minutes
     python train.py config/addition_cpu.py --stars 0.1 --loop_sampling lognormal   # Paper B's addition
     python train.py --eval_only --init_from resume --out_dir out # re-evaluate a checkpoint
     torchrun --nproc_per_node 2 train.py config/cpu_tiny.py      # data parallel (NCCL on GPU, gloo on CPU)
@@ -120,7 +120,7 @@ HELP = {  # one line per option, shown by --help
     "stars": "STARS: weight lambda of the Jacobian spectral-radius penalty (Paper B: 0.1; 0 = off)",
     "stars_warmup": "steps before the STARS penalty is switched on",
     "stars_mode": "vjp (public STARS code) | jvp (forward-mode AD)",
-    "checkpoint_loops": "activation checkpointing per loop (memory of one loop, ~1.3x compute)",
+    "checkpoint_loops": "activation checkpointing per loop (training memory flat in K; each loop is recomputed in backward)",
     "eval_loops": "evaluate loops 1..N (0 = n_loop; addition: default 32)",
     "eval_problems": "held-out addition problems for exact match",
     "sample_tokens": "print a greedy sample of this many tokens at the end (LM task)",

@@ -1,5 +1,5 @@
 # Paper A's ablation at CPU scale on real text (WikiText-2: train on test.txt, evaluate on valid.txt).
-# Every variant: same data, seed and budget (600 steps, ~5 minutes on 2 cores). See README.
+# Every variant: same data, seed and budget (600 steps: the quick start's shape and budget, ~4 minutes on 2 cores). See README.
 # python train.py config/ablation_cpu.py --readout raw --per_loop_ce --out_dir out-ablation/raw-perloop
 dataset = "wikitext2"
 data_dir = "../shared/data/wikitext-2"

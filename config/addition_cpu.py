@@ -1,4 +1,4 @@
-# Paper B's addition, scaled down for 2 CPU cores (~10 minutes a run):
+# Paper B's addition, scaled down for 2 CPU cores (1,600 steps a run):
 # one shared sandwich block, d 128, 4 heads, d_ff 512 GELU, input injected at every loop.
 # python train.py config/addition_cpu.py                                   # baseline, fixed 4 loops
 # python train.py config/addition_cpu.py --loop_sampling lognormal ...     # see README
