@@ -45,9 +45,9 @@ CLOCK = time.perf_counter  # --clock cpu: time.process_time
 
 
 def tune_malloc():
-    """glibc serves each large tensor (logits, an optimizer temporary) by mmap and unmaps it when it is
-    freed, so every step page-faults it in again: on these VMs up to half of a step at vocab 50k.
-    Keep freed memory in the heap for reuse instead (no mmap, no trimming). Linux/glibc only."""
+    """glibc serves each large tensor (logits, activations) by mmap and unmaps it when it is freed, so
+    every step page-faults it in again: on these VMs a third of a step at vocab 50k, a quarter at the
+    quick shape. Keep freed memory in the heap for reuse instead (no mmap, no trimming). glibc only."""
     try:  # M_MMAP_MAX = 0, M_TRIM_THRESHOLD = 2 GiB
         return bool(ctypes.CDLL("libc.so.6").mallopt(-4, 0) and ctypes.CDLL("libc.so.6").mallopt(-1, 2**31 - 1))
     except (OSError, AttributeError):
