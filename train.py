@@ -897,8 +897,10 @@ def run(cfg, model_args, given):
                         loss = stars.stars_objective(loss, pen, lam)
                         rho = float(r.mean())
                 (loss / cfg.gradient_accumulation_steps).backward()
-                loss_sum += loss.item() / cfg.gradient_accumulation_steps
-                norm_K += token_norms(states[-1].detach()).mean().item() / cfg.gradient_accumulation_steps
+                # one host sync per micro-step for both logged numbers (a sync stalls a GPU)
+                l, n = torch.stack([loss.detach().float(), token_norms(states[-1].detach()).mean()]).tolist()
+                loss_sum += l / cfg.gradient_accumulation_steps
+                norm_K += n / cfg.gradient_accumulation_steps
             stopping = bool(stop)
             if ddp:  # all ranks must take the same decisions below: share the loss and "was I signalled?"
                 shared = torch.tensor([loss_sum, float(stopping)], device=device)
