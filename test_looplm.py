@@ -422,6 +422,17 @@ TRAIN_RESUME_CASES = {
 }
 
 
+def test_train_stars_rows_puts_the_penalty_on_that_many_sequences(train_data_args, tmp_path, monkeypatch):
+    seen, real = [], stars.jsrr_penalty
+    monkeypatch.setattr(stars, "jsrr_penalty", lambda f, h, **kw: seen.append(h.size(0)) or real(f, h, **kw))
+    stars_args = ["--stars", "0.1", "--stars_warmup", "1", "--max_iters", "3", "--eval_interval", "3"]
+    for rows, want in (("0", 4), ("1", 1), ("9", 4)):  # 0 or more than the batch: every sequence
+        seen.clear()
+        assert _run_train(TRAIN_TINY + train_data_args + stars_args + ["--stars_rows", rows, "--out_dir", tmp_path / rows]) == 0
+        assert seen == [want, want], (rows, seen)  # steps 2 and 3: after the warm-up
+        assert all("rho" in r for r in _train_losses(tmp_path / rows)[1:])
+
+
 @pytest.mark.parametrize("case", TRAIN_RESUME_CASES)
 def test_train_resume_replays_the_uninterrupted_run_exactly(case, train_data_args, trained_run, tmp_path):
     extra = TRAIN_RESUME_CASES[case]
@@ -1053,7 +1064,7 @@ def test_bench_reports_every_figure():
         res = bench.bench(bench.parse_args(["--warmup", "0", "--reps", "1"]), shape, "cpu")
     finally:
         torch.set_num_threads(threads)
-    keys = {"loop_vs_unrolled", "mfu", "stars_overhead", "train_tps_loop", "train_tps_unrolled", "peak_gflops",
+    keys = {"loop_vs_unrolled", "mfu", "stars_overhead", "stars_overhead_rows", "train_tps_loop", "train_tps_unrolled", "peak_gflops",
             "gen_tps_fixed", "gen_tps_adaptive", "adaptive_mean_loops"}
     keys |= {f"eval_tps_k{k}" for k in range(1, 5)}
     keys |= {f"mem_mb_{m}_K{K}" for K in (4, 8, 16) for m in ("plain", "checkpoint", "truncated")}
