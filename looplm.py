@@ -109,8 +109,9 @@ class CausalSelfAttention(nn.Module):
                 past = cache["k"].size(2)
                 k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
             cache["k"], cache["v"] = k, v
-        # query i (at absolute position past+i) sees keys 0..past+i
-        mask = None if T == 1 else torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+        # query i (at absolute position past+i) sees keys 0..past+i (SDPA's is_causal covers past == 0)
+        need = T > 1 and (self.math or past > 0)
+        mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past) if need else None
         p = self.dropout if self.training else 0.0
         if self.math:  # explicit softmax(QKᵀ/√d)V: supports torch.func.jvp and double backward
             att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
