@@ -86,7 +86,7 @@ def make_model(args, shape, device, **over):
     return model, model.configure_optimizers(0.01, 3e-4, device_type=device.split(":")[0])
 
 
-def train_step(model, opt, X, Y, K, ctx, lam=0.0, mode="jvp", rows=0, grad_loops=None, checkpoint=False):
+def train_step(model, opt, X, Y, K, ctx, lam=0.0, mode="vjp", rows=0, grad_loops=None, checkpoint=False):
     """One AdamW step with grad clip 1.0, as train.py takes it. lam > 0 adds the STARS penalty at the
     last loop's state (on the first `rows` sequences of the batch only, if rows > 0)."""
     with ctx:
@@ -205,7 +205,8 @@ def bench(args, shape, device):
     steps = [lambda: train_step(loop, loop_opt, X, Y, K, ctx),
              lambda: train_step(unrolled, unrolled_opt, X, Y, 1, ctx),
              lambda: train_step(loop, loop_opt, X, Y, K, ctx, lam=0.1, mode=args.stars_mode),
-             lambda: train_step(loop, loop_opt, X, Y, K, ctx, lam=0.1, mode=args.stars_mode, rows=args.stars_rows or max(1, B // 4))]
+             lambda: train_step(loop, loop_opt, X, Y, K, ctx, lam=0.1, mode=args.stars_mode,
+                                rows=args.stars_rows or max(1, B // 4))]
     t_loop, t_unrolled, t_stars, t_rows = interleaved(steps, args.warmup, args.reps, device)
     del unrolled, unrolled_opt
     if device == "cpu" and not args.peak_flops:  # measured again after the steps; the best counts
@@ -234,7 +235,8 @@ def parse_args(argv=None):
                    "989e12 = H100/H200 dense bf16 on CUDA)")
     p.add_argument("--per_loop_ce", action="store_true", help="train on mean_k CE_k as config/*.py do (default: "
                    "CE_K, so that the looped and the unrolled model have equal FLOPs)")
-    p.add_argument("--stars_mode", default="vjp", choices=stars.MODES, help="how the STARS penalty gets Jv (train.py's default: vjp)")
+    p.add_argument("--stars_mode", default="vjp", choices=stars.MODES,
+                   help="how the STARS penalty gets Jv (vjp: train.py's default)")
     p.add_argument("--stars_rows", type=int, default=0, help="stars_overhead_rows: the penalty on the first N "
                    "sequences only (default: a quarter of the batch)")
     p.add_argument("--grad_loops", type=int, default=2, help="loops with gradient in the truncated-backprop run")

@@ -1064,8 +1064,8 @@ def test_bench_reports_every_figure():
         res = bench.bench(bench.parse_args(["--warmup", "0", "--reps", "1"]), shape, "cpu")
     finally:
         torch.set_num_threads(threads)
-    keys = {"loop_vs_unrolled", "mfu", "stars_overhead", "stars_overhead_rows", "train_tps_loop", "train_tps_unrolled", "peak_gflops",
-            "gen_tps_fixed", "gen_tps_adaptive", "adaptive_mean_loops"}
+    keys = {"loop_vs_unrolled", "mfu", "stars_overhead", "stars_overhead_rows", "train_tps_loop", "train_tps_unrolled",
+            "peak_gflops", "gen_tps_fixed", "gen_tps_adaptive", "adaptive_mean_loops"}
     keys |= {f"eval_tps_k{k}" for k in range(1, 5)}
     keys |= {f"mem_mb_{m}_K{K}" for K in (4, 8, 16) for m in ("plain", "checkpoint", "truncated")}
     assert keys <= res.keys(), keys - res.keys()
