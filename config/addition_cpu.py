@@ -1,6 +1,6 @@
 # Paper B's addition, scaled down for 2 CPU cores (2,000 steps a run; baseline ~8 min, STARS ~11):
 # one shared sandwich block, d 128, 8 heads (Paper B's count), d_ff 512 GELU, input injected at every loop.
-# 2,000 steps, not 800-1,600: shorter runs often stop on a loss plateau near 0.7 nats (README).
+# 2,000 steps, not 800-1,600: shorter runs often stall on a loss plateau (README).
 # python train.py config/addition_cpu.py                                   # baseline, fixed 4 loops
 # python train.py config/addition_cpu.py --loop_sampling lognormal ...     # see README
 task = "addition"
