@@ -80,7 +80,6 @@ def make_model(args, shape, device, **over):
     cfg.update(dict(per_loop_ce=args.per_loop_ce, dropout=0.0), **over)
     torch.manual_seed(0)
     model = LoopLM(LoopLMConfig(**cfg)).to(device).train()
-    model.eager_step = model.step  # the STARS penalty's step: compiled graphs have no double backward
     if args.compile:
         model.step = torch.compile(model.step)  # as train.py --compile
     return model, model.configure_optimizers(0.01, 3e-4, device_type=device.split(":")[0])
@@ -94,9 +93,8 @@ def train_step(model, opt, X, Y, K, ctx, lam=0.0, mode="vjp", rows=0, grad_loops
         _, loss = model.objective(states, Y)
         if lam:
             n = rows or X.size(0)
-            with model.math_attention():
-                h0 = model.embed(X[:n]).detach()
-                pen, _ = stars.jsrr_penalty(lambda h: model.eager_step(h, h0), states[-1][:n], mode=mode)
+            step_fn = stars.looplm_step_fn(model, model.embed(X[:n]))  # eager even with --compile
+            pen, _ = stars.jsrr_penalty(step_fn, states[-1][:n], mode=mode)
             loss = stars.stars_objective(loss, pen, lam)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

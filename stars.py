@@ -122,13 +122,15 @@ def sample_loops(generator, kind="lognormal", mu=2.0, sigma=0.7, t_max=100, mean
 # ---- glue for LoopLM (looplm.py) -----------------------------------------------------------
 def looplm_step_fn(model, h0):
     """LoopLM's loop step as a function of the state alone. h0 is the embedding, which the
-    step adds when config.inject is on, and it is held fixed. The step always runs with
-    explicit attention, so jvp and double backward work even if the model's forward uses SDPA."""
+    step adds when config.inject is on, and it is held fixed. The step always runs eagerly
+    (the class's method, not a torch.compile'd model.step: compiled graphs have no double
+    backward) with explicit attention, so jvp and double backward work even if the model's
+    forward uses SDPA."""
     h0 = h0.detach()
 
     def step(h):
         with model.math_attention():
-            return model.step(h, h0)
+            return type(model).step(model, h, h0)
     return step
 
 

@@ -808,8 +808,7 @@ def run(cfg, model_args, given):
         print(f"{model.num_params():,} parameters (shared stack counted once) | {mcfg.n_layer} layers x "
               f"{mcfg.n_loop} loops | readout={mcfg.readout} per_loop_ce={mcfg.per_loop_ce} | "
               f"{tokens_per_iter:,} tokens/step | {max_iters} steps | device {device} {dtype}")
-    step_fn = model.step
-    if cfg.compile:
+    if cfg.compile:  # stars.looplm_step_fn keeps the STARS penalty and the eval's ρ on the eager step
         model.step = torch.compile(model.step)
 
     def make_ckpt():
@@ -895,9 +894,8 @@ def run(cfg, model_args, given):
                     _, loss = model.objective(states, Y)
                     if lam > 0:  # STARS: (1-λ)·task + λ·‖Jv‖² at the last state, one extra loop step
                         n = cfg.stars_rows or X.size(0)  # the batch is random, so its first n rows are too
-                        with model.math_attention():
-                            h0 = model.embed(X[:n]).detach()
-                            pen, r = stars.jsrr_penalty(lambda h: step_fn(h, h0), states[-1][:n], mode=cfg.stars_mode, generator=g)
+                        step_fn = stars.looplm_step_fn(model, model.embed(X[:n]))
+                        pen, r = stars.jsrr_penalty(step_fn, states[-1][:n], mode=cfg.stars_mode, generator=g)
                         loss = stars.stars_objective(loss, pen, lam)
                         rho = float(r.mean())
                 (loss / cfg.gradient_accumulation_steps).backward()
