@@ -17,6 +17,9 @@ unless --per_loop_ce, which adds K - 1 readouts that the unrolled model does not
                     KV-cached generation at fixed depth K and with adaptive exit (sample.py)
   mem_mb_*          training-step peak memory at K = 4, 8, 16: plain, checkpoint (per loop), truncated
                     backprop (gradient through the last --grad_loops loops only: flat in K)
+  --profile adds    kernel_share: the part of a plain step's wall time spent in matmul and attention kernels
+                    (torch.profiler, CPU), and mfu_bound: train_flops / that kernel time / peak, the mfu if
+                    nothing else took time. It prints the top ops of the plain and the STARS step to stderr.
 Timings are medians of --reps calls after --warmup calls. Configurations that are compared run in
 turn, step by step (a, b, c, a, b, c, ...), so a noisy shared machine slows them alike.
 """
@@ -127,6 +130,23 @@ def matmul_peak(model, B, T, device, reps=5):
     return best
 
 
+def profile_steps(steps, names, flops, peak, device):
+    """--profile (CPU): torch.profiler over 3 calls of each step; prints the top ops by self time and
+    returns the plain step's kernel_share and mfu_bound (see the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+    res = {}
+    for name, step in zip(names, steps):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            wall = timed(lambda: [step() for _ in range(3)], device)
+        ops = prof.key_averages()
+        kern = sum(e.self_cpu_time_total for e in ops if e.key in ("aten::mm", "aten::addmm", "aten::bmm")
+                   or "scaled_dot_product" in e.key) / 1e6  # seconds
+        print(f"--- {name}: {wall / 3:.3f} s a step, matmul + attention kernels {kern / wall:.0%} of it", file=sys.stderr)
+        print(ops.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=56), file=sys.stderr)
+        res = res or dict(kernel_share=kern / wall, mfu_bound=3 * flops / kern / peak if kern else float("inf"))
+    return res
+
+
 @torch.no_grad()
 def eval_throughput(model, X, K, ctx, args, device):
     """Tokens/s of a forward at depth k = 1..K (last-position readout, as train.py's depth_throughput), then
@@ -214,6 +234,8 @@ def bench(args, shape, device):
                stars_overhead_rows=t_rows / t_loop,
                train_tps_loop=B * T / t_loop, train_tps_unrolled=B * T / t_unrolled, step_s=t_loop,
                stars_step_s=t_stars, train_gflops=flops / t_loop / 1e9, peak_gflops=peak / 1e9)
+    if args.profile:
+        res.update(profile_steps([steps[0], steps[2]], ["plain step", "STARS step"], flops, peak, device))
     res.update(eval_throughput(loop, X, K, ctx, args, device))
     if not args.no_memory:
         res.update(memory_runs(args, shape, device))
@@ -241,6 +263,8 @@ def parse_args(argv=None):
     p.add_argument("--mem_loops", default="4,8,16", help="loop counts K of the memory runs")
     p.add_argument("--no_memory", action="store_true", help="skip the memory runs")
     p.add_argument("--compile", action="store_true", help="torch.compile model.step, as train.py --compile")
+    p.add_argument("--profile", action="store_true", help="CPU: where a step's time goes (kernel_share, mfu_bound, "
+                   "and the top ops on stderr)")
     p.add_argument("--no_tune_malloc", action="store_true", help="keep glibc's malloc defaults (see tune_malloc)")
     p.add_argument("--threads", type=int, default=0, help="torch threads on CPU (default: torch's choice)")
     p.add_argument("--clock", default="wall", choices=("wall", "cpu"), help="wall: seconds; cpu: CPU seconds of "
@@ -262,6 +286,8 @@ def main(argv=None):
         shape = json.loads(args._memory)
         memory_one(args, shape, "cpu", 1, "plain")  # a first step pays the one-time allocations
         return print(json.dumps(memory_runs(args, shape, "cpu", child=True)))
+    if args.profile and args.device != "cpu":
+        sys.exit("--profile measures CPU time per op: use it on CPU (on a GPU, see torch.profiler's CUDA activity)")
     if args.clock == "cpu":
         if torch.get_num_threads() != 1 or args.device != "cpu":
             sys.exit("--clock cpu adds up the CPU time of all threads: use it with --threads 1 on CPU")

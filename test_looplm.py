@@ -1055,6 +1055,15 @@ def test_bench_train_flops_by_hand():
     assert bench.train_flops(m, 3, 2, 8) == (6 * (3 * 2 * 16_448 + 3 * 1_952) + 12 * 6 * 8 * 32) * 16
 
 
+def test_bench_profile_tells_kernel_time_from_the_rest(capsys):
+    import bench
+    a = torch.randn(384, 384)
+    share = lambda step: bench.profile_steps([step], ["x"], flops=1.0, peak=1.0, device="cpu")["kernel_share"]
+    assert share(lambda: [a @ a for _ in range(10)]) > 0.8      # all matmul
+    assert share(lambda: [a.exp().sin() for _ in range(30)]) < 0.05  # no matmul
+    assert "aten::sin" in capsys.readouterr().err
+
+
 def test_bench_reports_every_figure():
     import bench
     shape = dict(n_embd=32, n_head=4, n_layer=1, n_loop=4, vocab_size=61, block_size=32, batch_size=2)
