@@ -163,6 +163,8 @@ def eval_throughput(model, X, K, ctx, args, device):
         print("note: sample.py has no generate/exit_score: adaptive exit not measured", file=sys.stderr)
         return res
     n_new, prompt, loops = min(32, X.size(1) // 2), X[:, : max(1, X.size(1) // 8)], []
+    if "step" in vars(model):  # --compile: decode eagerly, as sample.py does (the KV cache changes shape every token)
+        del model.step
     with ctx:
         thr = exit_score(model.readout(model.loop_states(prompt, 1)[0], 1, K), "max_prob").median().item()
         fixed = lambda: generate(model, prompt, n_new, K, temperature=0)
