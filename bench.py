@@ -143,7 +143,8 @@ def profile_steps(steps, names, flops, peak, device):
                    or "scaled_dot_product" in e.key) / 1e6  # seconds
         print(f"--- {name}: {wall / 3:.3f} s a step, matmul + attention kernels {kern / wall:.0%} of it", file=sys.stderr)
         print(ops.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=56), file=sys.stderr)
-        res = res or dict(kernel_share=kern / wall, mfu_bound=3 * flops / kern / peak if kern else float("inf"))
+        if not res:  # the figures are the first (plain) step's
+            res = dict(kernel_share=kern / wall, mfu_bound=3 * flops / kern / peak if kern else float("inf"))
     return res
 
 

@@ -897,12 +897,12 @@ def run(cfg, model_args, given):
                         step_fn = stars.looplm_step_fn(model, model.embed(X[:n]))
                         pen, r = stars.jsrr_penalty(step_fn, states[-1][:n], mode=cfg.stars_mode, generator=g)
                         loss = stars.stars_objective(loss, pen, lam)
-                        rho = float(r.mean())
+                        rho = r.mean()  # a tensor: read (one sync) only when the step is logged
                 (loss / cfg.gradient_accumulation_steps).backward()
                 # one host sync per micro-step for both logged numbers (a sync stalls a GPU)
-                l, n = torch.stack([loss.detach().float(), token_norms(states[-1].detach()).mean()]).tolist()
+                l, hn = torch.stack([loss.detach().float(), token_norms(states[-1].detach()).mean()]).tolist()
                 loss_sum += l / cfg.gradient_accumulation_steps
-                norm_K += n / cfg.gradient_accumulation_steps
+                norm_K += hn / cfg.gradient_accumulation_steps
             stopping = bool(stop)
             if ddp:  # all ranks must take the same decisions below: share the loss and "was I signalled?"
                 shared = torch.tensor([loss_sum, float(stopping)], device=device)
@@ -926,6 +926,7 @@ def run(cfg, model_args, given):
                 dt = time.perf_counter() - t0
                 tps = tokens_per_iter * cfg.log_interval / dt if iter_num % cfg.log_interval == 0 else 0
                 eta = (time.perf_counter() - t_start) / (iter_num - it0) * (max_iters - iter_num)
+                rho = None if rho is None else rho.item()
                 row = {"iter": iter_num, "loss": loss_sum, "lr": lr, "loops": t, "norm_K": norm_K,
                        "tokens_per_s": tps, **({"rho": rho} if rho is not None else {})}
                 print(f"step {iter_num}/{max_iters} loss {loss_sum:.4f} | {tps:,.0f} tok/s | ETA {eta / 60:.1f} min"
