@@ -40,9 +40,9 @@ import stars
 from looplm import LoopLM, LoopLMConfig
 
 SHAPES = {  # model and batch; dropout 0 as in nanoGPT's bench.py. "tiny" is config/cpu_tiny.py (bytes)
-    "44m": dict(n_embd=512, n_head=8, n_layer=8, n_loop=4, vocab_size=20000, block_size=256, batch_size=4),
-    "tiny": dict(n_embd=128, n_head=4, n_layer=2, n_loop=4, vocab_size=256, block_size=128, batch_size=16),
-    "quick": dict(n_embd=64, n_head=4, n_layer=2, n_loop=4, vocab_size=256, block_size=64, batch_size=8),
+    "44m": dict(n_embd=512, n_head=8, n_layer=8, n_loops=4, vocab_size=20000, block_size=256, batch_size=4),
+    "tiny": dict(n_embd=128, n_head=4, n_layer=2, n_loops=4, vocab_size=256, block_size=128, batch_size=16),
+    "quick": dict(n_embd=64, n_head=4, n_layer=2, n_loops=4, vocab_size=256, block_size=64, batch_size=8),
 }
 TARGETS = {"loop_vs_unrolled": (">=", 0.97), "stars_overhead": ("<=", 1.35), "stars_overhead_rows": ("<=", 1.35),
            "mfu": (">=", {"44m": 0.8, "tiny": 0.6})}
@@ -89,16 +89,10 @@ def make_model(args, shape, device, **over):
 
 
 def train_step(model, opt, X, Y, K, ctx, lam=0.0, mode="vjp", rows=0, grad_loops=None, checkpoint=False):
-    """One AdamW step with grad clip 1.0, as train.py takes it. lam > 0 adds the STARS penalty at the
-    last loop's state (on the first `rows` sequences of the batch only, if rows > 0)."""
+    """One AdamW step with grad clip 1.0, with train.py's loss (stars.training_loss). lam > 0 adds the
+    STARS penalty at the last loop's state (on the first `rows` sequences of the batch only, if rows > 0)."""
     with ctx:
-        states = model.loop_states(X, K, grad_loops=grad_loops, checkpoint=checkpoint)
-        _, loss = model.objective(states, Y)
-        if lam:
-            n = rows or X.size(0)
-            step_fn = stars.looplm_step_fn(model, model.embed(X[:n]))  # eager even with --compile
-            pen, _ = stars.jsrr_penalty(step_fn, states[-1][:n], mode=mode)
-            loss = stars.stars_objective(loss, pen, lam)
+        loss, _, _ = stars.training_loss(model, X, Y, K, grad_loops, lam, mode, rows, checkpoint=checkpoint)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
@@ -219,8 +213,8 @@ def bench(args, shape, device):
     """Every figure for one shape (a SHAPES entry): a flat dict of floats."""
     ctx = torch.autocast("cuda", torch.bfloat16) if device.startswith("cuda") else nullcontext()
     loop, loop_opt = make_model(args, shape, device)
-    B, T, K, L = shape["batch_size"], loop.config.block_size, loop.config.n_loop, loop.config.n_layer
-    unrolled, unrolled_opt = make_model(args, shape, device, n_layer=L * K, n_loop=1)
+    B, T, K, L = shape["batch_size"], loop.config.block_size, loop.config.n_loops, loop.config.n_layer
+    unrolled, unrolled_opt = make_model(args, shape, device, n_layer=L * K, n_loops=1)
     X, Y = torch.randint(0, loop.config.vocab_size, (2, B, T), device=device)
     peak = args.peak_flops or (989e12 if device.startswith("cuda") else matmul_peak(loop, B, T, device))
     steps = [lambda: train_step(loop, loop_opt, X, Y, K, ctx),
@@ -310,7 +304,7 @@ def main(argv=None):
     print(" ".join(f"{k}={v}" for k, v in meta.items()))
     for s in names:
         c = SHAPES[s]
-        print(f"{s}: d {c['n_embd']}, {c['n_head']} heads, {c['n_layer']} layers, K {c['n_loop']}, vocab {c['vocab_size']}, "
+        print(f"{s}: d {c['n_embd']}, {c['n_head']} heads, {c['n_layer']} layers, K {c['n_loops']}, vocab {c['vocab_size']}, "
               f"batch {args.batch_size or c['batch_size']} x seq {c['block_size']}, {'per-loop' if args.per_loop_ce else 'terminal'} CE")
     print(f"{'':<24}" + "".join(f"{s:>12}" for s in names) + "   target")
     for key in results[names[0]]:

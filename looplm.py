@@ -1,21 +1,25 @@
 """
-looplm.py: a looped (weight-tied) transformer language model, every variant of
-Paper A ("the readout blind spot") as a config value, and its diagnostics.
+looplm.py: a looped (weight-tied) transformer language model, with every variant of both papers
+as a config value, and the diagnostics that show what the loop does to its state.
 
-One shared stack of n_layer blocks F is applied K times:
+One shared stack of n_layer blocks F is applied n_loops (K) times:
 
     H_0 = tok_emb + pos_emb
-    H_k = F(H_{k-1})                   k = 1..K     (see LoopLM.step)
-    logits_k = readout(H_k)                         (see LoopLM.readout)
+    H_k = F(H_{k-1})                   k = 1..K     (LoopLM.step, LoopLM.loop_states)
+    logits_k = readout(H_k)                         (LoopLM.readout)
 
 K is an argument of every call, so the same weights run at depth 1, 4 or 100.
-The paper's ideas live in exactly four places:
-  - the readout (norm | raw | final_norm) ......... LoopLM.readout
-  - terminal vs per-loop CE, the norm penalty ...... LoopLM.forward
-  - normalization between loops (loop_norm) ........ LoopLM.step
-  - the scale clamp diagnostic ..................... LoopLM.loop_states
-Paper B's block normalization placement (pre | post | sandwich) is in Block;
-its Jacobian penalty and loop sampling live in stars.py.
+
+Paper A: "Dense Supervision Is Not Enough: The Readout Blind Spot in Looped Language Models"
+(Sharma & Vu, arXiv 2606.24898). With a scale-invariant readout (W_E·RMSNorm(H)), cross-entropy
+cannot see the state's scale, and the residual loop grows it. Its ideas live in four places:
+  - the readout (norm | raw | final_norm) ................ LoopLM.readout
+  - terminal vs per-loop CE, the norm penalty ............. LoopLM.objective
+  - normalization between loops (loop_norm) ............... LoopLM.carry
+  - the scale clamp diagnostic ............................ LoopLM.loop_states(clamp=True)
+Paper B: "Stabilizing Recurrent Dynamics for Test-Time Scalable Latent Reasoning in Looped
+Language Models", STARS (Yang et al., ICML 2026, arXiv 2605.26733). Its block normalization
+placement (pre | post | sandwich) is in Block; its Jacobian penalty and loop sampling in stars.py.
 """
 import math
 from contextlib import contextmanager
@@ -25,53 +29,44 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-CHOICES = {
-    "readout": ("norm", "raw", "final_norm"),
-    "block_norm": ("pre", "post", "sandwich"),
-    "mlp": ("swiglu", "gelu"),
-}
+from configurator import check, setting
 
 
 @dataclass
 class LoopLMConfig:
-    vocab_size: int = 50257   # GPT-2 BPE by default; 20,000 with Paper A's regex tokenizer
-    block_size: int = 256     # maximum sequence length
-    n_layer: int = 2          # depth of the shared stack (applied n_loop times)
-    n_head: int = 4
-    n_embd: int = 128
-    n_loop: int = 4           # K at training time; forward() accepts any n_loops >= 1
-    dropout: float = 0.0
-    readout: str = "norm"     # norm: W_E·RMSNorm(H) | raw: W_E·H | final_norm: raw, norm at the last loop
-    per_loop_ce: bool = False  # loss = mean_k CE_k (dense supervision) instead of CE_K
-    norm_penalty: float = 0.0  # Paper A: loss += λ·mean_k mean(H_k²); the paper uses 0.01
-    loop_norm: bool = False    # RMSNorm the state between loops (takes scale out of the recurrence)
-    block_norm: str = "pre"    # pre: x+f(N(x)) | post: N(x+f(x)) | sandwich: N(x+f(N(x))) (STARS)
-    mlp: str = "swiglu"        # swiglu (Paper A) or gelu (Paper B's addition model)
-    mlp_hidden: int = 0        # MLP hidden width; 0 means 4·n_embd
-    inject: bool = False       # add the input embedding H_0 to the state at every loop
-    attn: str = "sdpa"         # sdpa (fast kernels) or math (explicit; forward-mode AD, double backward)
+    """model (looplm.LoopLMConfig)"""
+    vocab_size: int = setting(50257, "vocabulary size; set by the tokenizer (GPT-2 BPE: 50,257)", lo=1)
+    block_size: int = setting(256, "context length (learned absolute positions end there)", lo=1)
+    n_layer: int = setting(8, "depth of the shared stack F", lo=1)
+    n_head: int = setting(8, "attention heads", lo=1)
+    n_embd: int = setting(512, "model width d", lo=1)
+    n_loops: int = setting(4, "K: loops of the shared stack at training time (and the default at evaluation)", lo=1)
+    dropout: float = setting(0.1, "dropout on embeddings, attention and MLP outputs", lo=0.0, hi=0.99)
+    readout: str = setting("norm", "norm: W_E·RMSNorm(H), scale-invariant | raw: W_E·H | final_norm: raw, norm at loop K",
+                           choices=("norm", "raw", "final_norm"))
+    per_loop_ce: bool = setting(False, "train every loop's readout: mean_k CE_k (else CE_K only)")
+    norm_penalty: float = setting(0.0, "Paper A's fix: loss += λ·mean_k mean(H_k²) (the paper: 0.01)", lo=0.0)
+    loop_norm: bool = setting(False, "RMSNorm the state on the recurrent path between loops (Ouro-style)")
+    block_norm: str = setting("pre", "pre: x+f(N(x)) | post: N(x+f(x)) | sandwich: N'(x+f(N(x))), Paper B's",
+                              choices=("pre", "post", "sandwich"))
+    mlp: str = setting("swiglu", "SwiGLU (Paper A) or GELU (Paper B's addition model)", choices=("swiglu", "gelu"))
+    mlp_hidden: int = setting(0, "MLP hidden width; 0 means 4·n_embd", lo=0)
+    inject: bool = setting(False, "add the input embedding H_0 to the state at every loop after the first")
+    init: str = setting("pytorch", "pytorch: torch's module defaults, Paper A's code | normal: every weight N(0, 0.02), "
+                        "Paper B's code | nanogpt: N(0, 0.02), residual projections / sqrt(2·n_layer·K)",
+                        choices=("pytorch", "normal", "nanogpt"))
 
     def __post_init__(self):
-        for name, allowed in CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; choose one of {', '.join(allowed)}")
-        if self.attn not in ("sdpa", "math"):
-            raise ValueError(f"attn={self.attn!r} is invalid; choose one of sdpa, math")
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_loop"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; it must be an integer >= 1")
+        check(self)
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; pick n_embd a multiple of n_head")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout={self.dropout} is invalid; it must be in [0, 1)")
-        if self.norm_penalty < 0:
-            raise ValueError(f"norm_penalty={self.norm_penalty} is invalid; it must be >= 0 (Paper A uses 0.01)")
-        if self.mlp_hidden < 0:
-            raise ValueError(f"mlp_hidden={self.mlp_hidden} is invalid; it must be >= 0 (0 means 4*n_embd)")
+            raise ValueError(f"--n_embd {self.n_embd} is not divisible by --n_head {self.n_head}; "
+                             "pick n_embd a multiple of n_head")
 
     @classmethod
     def from_dict(cls, d):
-        """Build from a dict (a checkpoint's, say), ignoring keys this version does not know."""
+        """Build from a dict (a checkpoint's, say), ignoring keys this version does not know.
+        Checkpoints written before the rename of n_loop to n_loops load too."""
+        d = {("n_loops" if k == "n_loop" else k): v for k, v in d.items()}
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -95,9 +90,8 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.c_proj.residual = True  # scaled init, see LoopLM._init_weights
-        self.dropout = cfg.dropout
-        self.resid_dropout = nn.Dropout(cfg.dropout)
-        self.math = cfg.attn == "math"
+        self.dropout = cfg.dropout  # on the attention probabilities; none after c_proj, as in both papers' code
+        self.math = False  # explicit attention: set by LoopLM.math_attention (STARS needs it)
 
     def forward(self, x, cache=None):
         B, T, C = x.shape
@@ -122,7 +116,7 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=T > 1)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
 class MLP(nn.Module):
@@ -185,18 +179,23 @@ class LoopLM(nn.Module):
             self.ln_loop = RMSNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embedding and LM head
-        self.apply(self._init_weights)
+        if config.init != "pytorch":
+            self.apply(self._init_weights)
 
     def _init_weights(self, module):
-        # nanoGPT init; residual projections shrink with the number of *effective* layers, n_layer·n_loop
+        """The init decides whether Paper A's blind spot shows at small scale (README).
+        pytorch: nothing to do, the modules keep torch's defaults, as in Paper A's public code:
+            embeddings N(0, 1) (the tied head too), Linear layers Kaiming-uniform, U(±1/sqrt(fan_in)).
+        normal:  every weight N(0, 0.02), as in Paper B's public addition code.
+        nanogpt: N(0, 0.02), residual projections shrunk by the number of effective layers n_layer·K."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
             std = 0.02
-            if getattr(module, "residual", False):
-                std = 0.02 / math.sqrt(2 * self.config.n_layer * self.config.n_loop)
+            if self.config.init == "nanogpt" and getattr(module, "residual", False):
+                std = 0.02 / math.sqrt(2 * self.config.n_layer * self.config.n_loops)
             nn.init.normal_(module.weight, mean=0.0, std=std)
 
     def num_params(self, non_embedding=False):
-        """Parameters, shared weights counted once: independent of n_loop."""
+        """Parameters, shared weights counted once: independent of n_loops."""
         n = sum(p.numel() for p in self.parameters())  # parameters() yields the tied weight once
         return n - (self.wpe.weight.numel() if non_embedding else 0)
 
@@ -210,16 +209,20 @@ class LoopLM(nn.Module):
         return self.drop(self.wte(idx) + self.wpe(pos))
 
     def step(self, h, h0=None, cache=None):
-        """One loop: H_k = F(H_{k-1}), the map whose Jacobian STARS regularizes.
-        h0 (the embedding) is added first when config.inject is on; cache is a list of
-        per-layer dicts for this loop (KV cache, see sample.py)."""
+        """One pass of the shared stack F. h0 (the embedding) is added first when config.inject
+        is on; cache is a list of per-layer dicts for this loop (KV cache, see sample.py)."""
         if self.config.inject:
             h = h + h0
         for i, block in enumerate(self.blocks):
             h = block(h, None if cache is None else cache[i])
-        if self.config.loop_norm:  # Ouro-style: no scale is carried into the next loop
-            h = self.ln_loop(h)
         return h
+
+    def carry(self, h):
+        """What the recurrent path carries from loop k into loop k+1: H_k itself, or with loop_norm
+        RMSNorm_loop(H_k), so that no scale is carried into the next loop (Ouro-style). As in Paper
+        A's public code, the H_k that is read out, penalized and measured is the one before this
+        norm (normalizing it again at the readout would be a double normalization)."""
+        return self.ln_loop(h) if self.config.loop_norm else h
 
     def loop_states(self, idx, n_loops=None, clamp=False, grad_loops=None, checkpoint=False):
         """[H_1, ..., H_K], exactly what the readout sees.
@@ -229,18 +232,19 @@ class LoopLM(nn.Module):
             and before it is fed to the next loop.
         grad_loops: truncated backprop (Huginn): only the last grad_loops loops get gradient.
         checkpoint: activation checkpointing per loop (memory ~ one loop instead of K)."""
-        K = self.config.n_loop if n_loops is None else n_loops
+        K = self.config.n_loops if n_loops is None else n_loops
         if K < 1:
             raise ValueError(f"n_loops={K} is invalid; it must be >= 1")
         h0 = self.embed(idx)
         h, states = h0, []
         for k in range(1, K + 1):
+            x = h if k == 1 else self.carry(h)  # the next loop's input
             no_grad = grad_loops is not None and k <= K - grad_loops
             with torch.set_grad_enabled(torch.is_grad_enabled() and not no_grad):
                 if checkpoint and torch.is_grad_enabled():
-                    h = torch.utils.checkpoint.checkpoint(self.step, h, h0, use_reentrant=False)
+                    h = torch.utils.checkpoint.checkpoint(self.step, x, h0, use_reentrant=False)
                 else:
-                    h = self.step(h, h0)
+                    h = self.step(x, h0)
             if clamp:
                 if k == 1:
                     rms1 = rms(h)
@@ -258,23 +262,33 @@ class LoopLM(nn.Module):
             h = self.ln_f(h)
         return self.lm_head(h)
 
+    def readouts(self, states, n_loops=None):
+        """Every loop's logits, [(k, logits_k)], when the model runs n_loops loops (default:
+        len(states)). The one place that reads out every depth: training, evaluation, sampling."""
+        K = len(states) if n_loops is None else n_loops
+        return [(k, self.readout(h, k, K)) for k, h in enumerate(states, 1)]
+
     def forward(self, idx, targets=None, n_loops=None, grad_loops=None, checkpoint=False):
         """nanoGPT-compatible: (logits, loss). With targets, loss is the training objective
         and logits are the last loop's (all positions); without, only the last position's."""
-        K = self.config.n_loop if n_loops is None else n_loops
+        K = self.config.n_loops if n_loops is None else n_loops
         states = self.loop_states(idx, K, grad_loops=grad_loops, checkpoint=checkpoint)
         if targets is None:
             return self.readout(states[-1][:, [-1], :], K, K), None
         return self.objective(states, targets)
 
     def objective(self, states, targets):
-        """Paper A's training objective from the loop states [H_1..H_K]: (last logits, loss)."""
+        """Paper A's training objective from the loop states [H_1..H_K]: (last logits, loss).
+        Where the loss is placed is the paper's second switch: CE_K alone (terminal), or the mean
+        of every loop's CE (per_loop_ce), which asks each loop's readout to be a usable exit."""
         cfg, K = self.config, len(states)
         ce = lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
-        logits = self.readout(states[-1], K, K)
-        loss = ce(logits)                                   # terminal: CE_K only
         if cfg.per_loop_ce:                                 # dense supervision: mean_k CE_k
-            loss = (sum(ce(self.readout(h, k, K)) for k, h in enumerate(states[:-1], 1)) + loss) / K
+            outs = self.readouts(states)
+            logits, loss = outs[-1][1], sum(ce(lg) for _, lg in outs) / K
+        else:                                               # terminal: CE_K only
+            logits = self.readout(states[-1], K, K)
+            loss = ce(logits)
         if cfg.norm_penalty > 0:  # Paper A's fix: make the scale visible to the loss
             loss = loss + cfg.norm_penalty * sum(h.pow(2).mean() for h in states) / K
         return logits, loss
@@ -303,7 +317,7 @@ class LoopLM(nn.Module):
                                  foreach=None if fused else True)
 
 
-# ---- diagnostics (Paper A §3; train.py's evaluation calls these) -------------------------
+# ---- diagnostics (report.py's evaluation calls these) -------------------------------------
 def rms(h):
     """Per-token RMS = ‖h‖₂/√d, shape (..., 1). The clamp and Lemma-2 use this convention."""
     return h.pow(2).mean(-1, keepdim=True).sqrt()
@@ -322,12 +336,11 @@ def norm_stats(norms):
 
 
 @torch.no_grad()
-def per_loop_ce(model, idx, targets, n_loops=None, clamp=False):
-    """[CE_1, ..., CE_K] (floats) of every loop's readout."""
-    K = model.config.n_loop if n_loops is None else n_loops
-    states = model.loop_states(idx, K, clamp=clamp)
-    return [F.cross_entropy(model.readout(h, k, K).flatten(0, 1).float(), targets.flatten(),
-                            ignore_index=-1).item() for k, h in enumerate(states, 1)]
+def ce_by_loop(model, idx, targets, n_loops=None, clamp=False):
+    """[CE_1, ..., CE_K] (floats): every loop's readout in one K-loop run (the early-exit curve)."""
+    states = model.loop_states(idx, n_loops or model.config.n_loops, clamp=clamp)
+    return [F.cross_entropy(lg.flatten(0, 1).float(), targets.flatten(), ignore_index=-1).item()
+            for _, lg in model.readouts(states)]
 
 
 def radial_fraction(model, h, targets, k, n_loops):

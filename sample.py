@@ -21,7 +21,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-import train
+import data
+import report
+from configurator import RunError, UsageError
 
 EXITS = ("max_prob", "margin", "entropy")
 
@@ -61,8 +63,8 @@ def prefill(model, ctx, n_loops):
     cache = new_cache(model, n_loops)
     if ctx.size(1) > 0:
         h0 = h = model.embed(ctx, 0)
-        for slot in cache:
-            h = model.step(h, h0, slot)
+        for i, slot in enumerate(cache):
+            h = model.step(h if i == 0 else model.carry(h), h0, slot)
     return cache
 
 
@@ -88,7 +90,7 @@ def decode_token(model, tok, pos, cache, n_loops, exit=None, threshold=None):
                     new = prev[kv][:, :, -1:]
                     slot[kv] = torch.cat([slot[kv], new], 2) if kv in slot else new.clone()
             continue
-        h_new = model.step(h, h0, cache[i])
+        h_new = model.step(h if i == 0 else model.carry(h), h0, cache[i])
         if done.any():  # the batch ran this loop for every row: undo it for the exited rows
             h_new = torch.where(done[:, None, None], h, h_new)
             for slot, prev in zip(cache[i], cache[i - 1]):
@@ -97,13 +99,19 @@ def decode_token(model, tok, pos, cache, n_loops, exit=None, threshold=None):
         h = h_new
         if exit is None and i < n_loops - 1:
             continue  # fixed depth: only the last loop is read out
-        logits = model.readout(h[:, -1], i + 1, n_loops)
-        out = logits if out is None else torch.where(done[:, None], out, logits)
-        if exit is not None and i < n_loops - 1:
-            stop = ~done & exit_ok(exit_score(logits, exit), exit, threshold)
-            loops[stop] = i + 1
-            done |= stop
+        out = exit_step(out, done, loops, model.readout(h[:, -1], i + 1, n_loops), i + 1, n_loops, exit, threshold)
     return out, loops
+
+
+def exit_step(out, done, loops, logits, k, n_loops, exit, threshold):
+    """Early-exit bookkeeping after loop k: rows still looping take loop k's logits, and those whose
+    readout passes the criterion stop there (done and loops are updated in place). Returns out."""
+    out = logits if out is None else torch.where(done[:, None], out, logits)
+    if exit is not None and k < n_loops:
+        stop = ~done & exit_ok(exit_score(logits, exit), exit, threshold)
+        loops[stop] = k
+        done |= stop
+    return out
 
 
 @torch.no_grad()
@@ -115,14 +123,8 @@ def uncached_logits(model, idx, n_loops, exit=None, threshold=None):
     out, loops = None, torch.full((idx.size(0),), n_loops, device=idx.device)
     done = torch.zeros_like(loops, dtype=torch.bool)
     for k, h in enumerate(states, 1):
-        if exit is None and k < n_loops:
-            continue
-        logits = model.readout(h[:, -1], k, n_loops)
-        out = logits if out is None else torch.where(done[:, None], out, logits)
-        if exit is not None and k < n_loops:
-            stop = ~done & exit_ok(exit_score(logits, exit), exit, threshold)
-            loops[stop] = k
-            done |= stop
+        if exit is not None or k == n_loops:
+            out = exit_step(out, done, loops, model.readout(h[:, -1], k, n_loops), k, n_loops, exit, threshold)
     return out, loops
 
 
@@ -181,8 +183,8 @@ def loop_table(model, x, y, n_loops, exit, batch_size=4):
     for i in range(0, len(x), batch_size):
         xb, yb = x[i:i + batch_size], y[i:i + batch_size]
         rows = {c: [] for c in cols}
-        for k, h in enumerate(model.loop_states(xb, n_loops), 1):
-            logits = model.readout(h, k, n_loops).float()
+        for k, logits in model.readouts(model.loop_states(xb, n_loops)):
+            logits = logits.float()
             rows["nll"].append(F.cross_entropy(logits.transpose(1, 2), yb, ignore_index=-1, reduction="none"))
             rows["correct"].append(logits.argmax(-1) == yb)
             rows["score"].append(exit_score(logits, exit or "max_prob"))
@@ -257,9 +259,9 @@ def eval_data(ckpt, model, n):
     """(x, y) held-out sequences: evenly spaced validation windows (LM) or addition problems."""
     cfg = ckpt["config"]
     if cfg.get("task") == "addition":
-        x, y, _ = train.addition_heldout(cfg["digits"], n or 400, cfg["seed"])
+        x, y, _ = data.addition_heldout(cfg["digits"], n or 400, cfg["seed"])
         return x, y
-    _, val, _ = train.prepare_data(cfg)
+    _, val, _ = data.prepare_data(cfg)
     T = model.config.block_size
     if len(val) < T + 1:
         raise CLIError(f"the validation split has {len(val)} tokens, fewer than block_size+1={T + 1}", 1)
@@ -268,7 +270,7 @@ def eval_data(ckpt, model, n):
     return x[:, :-1], x[:, 1:]
 
 
-def report(model, ckpt, args, device):
+def depth_report(model, ckpt, args, device):
     """--eval / --calibrate: fixed K vs adaptive depth, first in the fast teacher-forced table
     (Paper A's protocol, all loops computed), then through real incremental decoding."""
     K, addition = args.n_loops, ckpt["config"].get("task") == "addition"
@@ -324,7 +326,7 @@ def parse_args(argv):
     a("--seed", 1337, "random seed of the sampler", type=int)
     a("--device", "auto", "auto | cpu | cuda | cuda:N")
     a("--num_threads", 0, "CPU threads (0 = torch's default; 1 is fastest for batch-1 decoding on a busy machine)", type=int)
-    a("--n_loops", None, "K: loops of the shared stack, any K >= 1", type=int, show="the checkpoint's n_loop")
+    a("--n_loops", None, "K: loops of the shared stack, any K >= 1", type=int, show="the checkpoint's n_loops")
     a("--exit", None, "adaptive depth: a token stops looping once its readout passes this criterion "
       "(max_prob, margin = p1-p2: >= threshold; entropy in nats: <= threshold)", choices=EXITS, show="off")
     a("--exit_threshold", None, "threshold of --exit", type=float, show="none; --calibrate finds one")
@@ -362,15 +364,13 @@ def run(args):
     path = args.out_dir if args.out_dir.endswith(".pt") else os.path.join(args.out_dir, "ckpt.pt")
     if not os.path.isfile(path):
         raise CLIError(f"no checkpoint at {path}; train one (python train.py --out_dir DIR) or fix --out_dir", 1)
-    ckpt = train.load_checkpoint(path, device)
-    if not isinstance(ckpt, dict) or not {"model", "model_args", "config", "tokenizer"} <= ckpt.keys():
-        raise CLIError(f"{path} is not a looplm checkpoint (written by train.py)", 1)
-    model = train.model_from_checkpoint(ckpt, device)
-    tok, cfg = train.get_tokenizer(ckpt["tokenizer"]), ckpt["config"]
+    ckpt = report.load_checkpoint(path, device)
+    model = report.model_from_checkpoint(ckpt, device)
+    tok, cfg = data.get_tokenizer(ckpt["tokenizer"]), ckpt["config"]
     addition, bs = cfg.get("task") == "addition", model.config.block_size
-    args.n_loops = args.n_loops or model.config.n_loop
+    args.n_loops = args.n_loops or model.config.n_loops
     if args.eval or args.calibrate:
-        report(model, ckpt, args, device)
+        depth_report(model, ckpt, args, device)
         return 0
     start = args.start
     if start.startswith("FILE:"):
@@ -412,9 +412,9 @@ def main(argv=None):
         return run(parse_args(sys.argv[1:] if argv is None else argv))
     except CLIError as e:
         code, msg = e.code, str(e)
-    except train.UsageError as e:
+    except UsageError as e:
         code, msg = 2, str(e)
-    except train.RunError as e:
+    except RunError as e:
         code, msg = 1, str(e)
     print(f"sample.py: error: {msg}", file=sys.stderr)
     return code

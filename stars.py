@@ -1,5 +1,7 @@
 """
 stars.py: Paper B's STARS in one screen. It works on any looped model's step function.
+Paper B: "Stabilizing Recurrent Dynamics for Test-Time Scalable Latent Reasoning in Looped Language
+Models" (Yang et al., ICML 2026, arXiv 2605.26733; code: github.com/njuyxw/STARS).
 
 A looped model is a dynamical system h_{t+1} = Φ(h_t), where Φ is one pass of the shared
 block. A fixed point of the loop is stable when the spectral radius of J = ∂Φ/∂h is below 1,
@@ -8,16 +10,18 @@ makes ρ(J) < 1 part of the training loss:
 
     L = (1 − λ)·L_task + λ·‖Jv‖²        v ~ N(0, I) normalized, at the last loop's state
 
-Here ‖Jv‖ is one step of power iteration from a random direction. It is a cheap proxy for
-ρ(J): E‖Jv‖² = ‖J‖_F²/n, the mean squared singular value of J (n = T·C per sample). Pushing
-it down shrinks the whole spectrum. It costs one extra pass through ONE loop step.
-The number of loops t is sampled per training step (sample_loops).
+Here ‖Jv‖ is one step of power iteration from a random direction, which the paper writes as
+ρ(J) ≈ ‖Jv‖. What it measures is E‖Jv‖² = ‖J‖_F²/n, the mean squared singular value of J
+(n = T·C per sample): pushing it down pulls the spectrum down on average, but it neither bounds
+nor equals ρ, which can sit near 1 while ‖Jv‖ is small (spectral_radius measures ρ itself).
+It costs one extra pass through ONE loop step. The number of loops t is sampled per training
+step (sample_loops), so the penalty meets the state at many depths.
 
 To use it on another model you need a function step(h) -> next h whose parameters require
 grad. Nothing else in the project is needed:
 
     pen, rho = jsrr_penalty(step, h_last)
-    loss = stars_objective(task_loss, pen, stars_lambda(it, 0.1, 2000))
+    loss = stars_objective(task_loss, pen, lambda_at(it, 0.1, 2000))
 
 Attention caveat: the fused SDPA kernels have no forward-mode AD and no double backward.
 The step must use explicit softmax(QKᵀ/√d)V attention or the math backend. For LoopLM,
@@ -46,11 +50,11 @@ def jsrr_penalty(step_fn, h, mode="jvp", generator=None):
     mode "jvp": Jv by forward-mode AD (torch.func.jvp). One forward pass that carries a tangent.
     mode "vjp": vᵀJ by backward through the step with create_graph=True, as in the public STARS
         code. It gives the same value in expectation because E‖vᵀJ‖² = E‖Jv‖² = ‖J‖_F²/n.
-    Returns (penalty, rho):
+    Returns (penalty, jv_norm):
         penalty = mean over the batch of ‖Jv‖². It is differentiable w.r.t. step_fn's parameters,
             but not w.r.t. h, which is detached as in the public code.
-        rho = ‖Jv‖ per sample, shape (batch,), detached: a one-step estimate of ρ(J) for logging.
-    """
+        jv_norm = ‖Jv‖ per sample, shape (batch,), detached, for logging (an RMS singular value,
+            not ρ: see the module docstring)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is invalid; choose one of {', '.join(MODES)}")
     h = h.detach().contiguous()  # torch.func.jvp rejects expanded (overlapping) inputs
@@ -97,46 +101,63 @@ def step_generator(seed, step):
     return torch.Generator().manual_seed(seed * 1_000_003 + step)
 
 
-def sample_loops(generator, kind="lognormal", mu=2.0, sigma=0.7, t_max=100, mean_loops=32, backprop=8):
-    """Draw the number of loops for one training step. Deterministic given the generator.
-    fixed:             t_max (the baseline: always the same depth).
-    lognormal:         clip(round(LogNormal(mu, sigma)), 1, t_max). Paper B uses μ=2, σ=0.7,
+def sample_loops(generator, kind="lognormal", mu=2.0, sigma=0.7, t_max=100, mean_loops=32, grad_loops=8):
+    """Draw the depth of one training step: (n_loops, grad_loops), where grad_loops is None (the
+    gradient flows through every loop) or b (truncated backprop through the last b loops only,
+    LoopLM.loop_states(grad_loops=b)). Deterministic given the generator.
+    fixed:             (t_max, None): the baseline, always the same depth.
+    lognormal:         t = clip(round(LogNormal(mu, sigma)), 1, t_max). Paper B uses μ=2, σ=0.7,
                        t_max=100 for addition and μ=1.7, σ=0.4, t_max=16 for the Ouro fine-tune.
     poisson_lognormal: Huginn's sampler. τ ~ N(log r̄ − σ²/2, σ), so E[e^τ] = r̄ = mean_loops,
-                       and t = min(Poisson(e^τ) + 1, t_max). Returns (no_grad_loops, grad_loops)
-                       = (max(t − b, 0), min(t, b)) for truncated backprop through the last
-                       b = backprop loops (LoopLM.loop_states(..., grad_loops=...)).
+                       t = min(Poisson(e^τ) + 1, t_max), gradient through the last grad_loops.
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} is invalid; choose one of {', '.join(KINDS)}")
     if kind == "fixed":
-        return t_max
+        return t_max, None
     z = torch.randn((), generator=generator, dtype=torch.float64).item()
     if kind == "lognormal":
-        return min(max(round(math.exp(mu + sigma * z)), 1), t_max)
+        return min(max(round(math.exp(mu + sigma * z)), 1), t_max), None
     tau = math.log(mean_loops) - sigma**2 / 2 + sigma * z
     t = min(int(torch.poisson(torch.tensor(math.exp(tau), dtype=torch.float64), generator=generator)) + 1, t_max)
-    return max(t - backprop, 0), min(t, backprop)
+    return t, min(t, grad_loops)
 
 
 # ---- glue for LoopLM (looplm.py) -----------------------------------------------------------
 def looplm_step_fn(model, h0):
-    """LoopLM's loop step as a function of the state alone. h0 is the embedding, which the
-    step adds when config.inject is on, and it is held fixed. The step always runs eagerly
-    (the class's method, not a torch.compile'd model.step: compiled graphs have no double
-    backward) with explicit attention, so jvp and double backward work even if the model's
-    forward uses SDPA."""
+    """LoopLM's loop map as a function of the state alone: H_k -> H_{k+1} (with loop_norm, the
+    inter-loop norm is part of the map). h0 is the embedding, which the step adds when
+    config.inject is on, and it is held fixed. The step always runs eagerly (the class's method,
+    not a torch.compile'd model.step: compiled graphs have no double backward) with explicit
+    attention, so jvp and double backward work even if the model's forward uses SDPA."""
     h0 = h0.detach()
 
     def step(h):
         with model.math_attention():
-            return type(model).step(model, h, h0)
+            return type(model).step(model, model.carry(h), h0)
     return step
 
 
-def stars_lambda(step, lam, warmup):
+def training_loss(model, x, y, n_loops, grad_loops=None, lam=0.0, mode="vjp", rows=0, generator=None,
+                  checkpoint=False):
+    """The loss of one training step at depth n_loops, as train.py and bench.py take it: Paper A's
+    objective over the loop states (LoopLM.objective), and with lam > 0 Paper B's
+    (1 − λ)·task + λ·‖Jv‖² at the last state. rows > 0: the penalty on the first `rows` sequences
+    only (the batch is random, so they are a random subset: an unbiased estimate of the same mean).
+    Returns (loss, the loop states, ‖Jv‖ per penalized sequence or None)."""
+    states = model.loop_states(x, n_loops, grad_loops=grad_loops, checkpoint=checkpoint)
+    _, loss = model.objective(states, y)
+    jv_norm = None
+    if lam > 0:
+        n = rows or x.size(0)
+        pen, jv_norm = jsrr_penalty(looplm_step_fn(model, model.embed(x[:n])), states[-1][:n], mode=mode, generator=generator)
+        loss = stars_objective(loss, pen, lam)
+    return loss, states, jv_norm
+
+
+def lambda_at(step, lam, warmup):
     """λ is 0 during the first `warmup` training steps (2,000 in the public code), then lam.
-    (While λ is 0 the trainer can skip the penalty pass.)"""
+    (While λ is 0 the trainer skips the penalty pass.)"""
     return 0.0 if step < warmup else lam
 
 

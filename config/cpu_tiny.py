@@ -2,7 +2,7 @@
 # python train.py config/cpu_tiny.py  (add --readout raw, --norm_penalty 0.01, ... to compare)
 dataset = "pydoc"             # the Python docs that ship with CPython
 tokenizer = "bytes"
-n_embd, n_head, n_layer, n_loop = 128, 4, 2, 4
+n_embd, n_head, n_layer, n_loops = 128, 4, 2, 4
 block_size = 128
 dropout = 0.0
 batch_size = 16

@@ -1,0 +1,272 @@
+"""
+data.py: the data of each task, and the tokenizers.
+
+    language modelling (--task lm): WikiText-103 or WikiText-2 by name from the Hugging Face hub,
+        WikiText-2 from a folder (--data_dir), any text files (--data_files), or the Python docs
+        that ship with CPython (--dataset pydoc, offline). Tokenized once into memmaps.
+    addition (--task addition, Paper B): "1750+4733= 3846§", the sum's digits reversed.
+
+Batches: random windows (nanoGPT's get_batch), or, with a window stride, Paper A's epochs of
+overlapping windows (windows_batch). Every batch is a pure function of (seed, step, rank), so a
+resumed run draws exactly the batches the uninterrupted run would have drawn.
+"""
+import functools
+import hashlib
+import json
+import os
+import re
+from collections import Counter, namedtuple
+
+import numpy as np
+import torch
+
+from configurator import RunError
+
+# ---------------------------------------------------------------- tokenizers
+Tokenizer = namedtuple("Tokenizer", "encode decode vocab_size")
+REGEX = r"\s+|[A-Za-z0-9_]+|[^\w\s]|\w"  # Paper A's pattern; the last '|\w' keeps non-ASCII letters
+SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>"]
+ADDITION_CHARS = "0123456789+= §"  # plus a pad token (id 14)
+
+
+def get_tokenizer(meta):
+    """A Tokenizer from its metadata dict (stored with the data cache and every checkpoint)."""
+    kind = meta["kind"]
+    if kind == "gpt2":
+        try:
+            import tiktoken
+            enc = tiktoken.get_encoding("r50k_base")  # GPT-2's BPE
+        except Exception as e:
+            raise RunError(f"GPT-2 tokenizer unavailable ({type(e).__name__}): offline? set TIKTOKEN_CACHE_DIR "
+                           "to a folder holding a tiktoken cache of r50k_base, or use --tokenizer bytes or regex") from None
+        return Tokenizer(enc.encode_ordinary, enc.decode, enc.n_vocab)
+    if kind == "bytes":
+        return Tokenizer(lambda s: list(s.encode("utf-8")), lambda ids: bytes(ids).decode("utf-8", "replace"), 256)
+    if kind == "regex":
+        itos = meta["vocab"]
+        stoi = {t: i for i, t in enumerate(itos)}
+        return Tokenizer(lambda s: [stoi.get(t, 1) for t in re.findall(REGEX, s)],
+                         lambda ids: "".join(itos[i] if i >= len(SPECIALS) else "" for i in ids), len(itos))
+    if kind == "addition":
+        stoi = {c: i for i, c in enumerate(ADDITION_CHARS)}
+        return Tokenizer(lambda s: [stoi[c] for c in s],
+                         lambda ids: "".join(ADDITION_CHARS[i] for i in ids if i < len(ADDITION_CHARS)),
+                         len(ADDITION_CHARS) + 1)
+    raise RunError(f"unknown tokenizer kind {kind!r} in checkpoint metadata")
+
+
+def fit_regex_tokenizer(text, vocab_size=20000, min_freq=2):
+    """Paper A's tokenizer: 4 specials + the most frequent regex tokens seen >= min_freq times."""
+    counts = Counter(re.findall(REGEX, text))
+    common = [t for t, c in counts.most_common(vocab_size - len(SPECIALS)) if c >= min_freq]
+    return {"kind": "regex", "vocab": SPECIALS + common}
+
+
+# ---------------------------------------------------------------- language-model data
+def read_texts(cfg):
+    """(train_text, val_text) for the chosen dataset."""
+    if cfg.dataset == "pydoc":  # ships with every CPython: the quick start needs no download
+        import pydoc_data.topics as t
+        docs = [t.topics[k] for k in sorted(t.topics)]
+        cut = int(0.9 * len(docs))
+        return "\n".join(docs[:cut]), "\n".join(docs[cut:])
+    if cfg.dataset == "wikitext2" and cfg.data_dir:
+        def find(*names):
+            for n in names:
+                p = os.path.join(cfg.data_dir, n)
+                if os.path.isfile(p):
+                    return p
+        if not os.path.isdir(cfg.data_dir):
+            raise RunError(f"--data_dir {cfg.data_dir!r} is not a folder; point it at a folder of WikiText-2 files "
+                           "(train.txt, valid.txt, test.txt), or leave it out to load WikiText-2 from the hub")
+        train = find(f"{cfg.train_split}.txt", f"wiki.{cfg.train_split}.tokens")
+        valid = find("valid.txt", "wiki.valid.tokens")
+        if train is None or valid is None:
+            raise RunError(f"{cfg.data_dir} needs valid.txt and {cfg.train_split}.txt (WikiText-2 splits)"
+                           + ("; with only valid and test there, use --train_split test" if cfg.train_split == "train" else ""))
+        return read_file(train), read_file(valid)
+    if cfg.dataset == "text":
+        paths = [p for p in cfg.data_files.split(",") if p]
+        if not paths:
+            raise RunError("--dataset text needs --data_files A.txt[,B.txt]")
+        texts = [read_file(p) for p in paths]
+        if len(texts) > 1:
+            return "\n".join(texts[:-1]), texts[-1]  # the last file is the validation split
+        cut = int(0.9 * len(texts[0]))
+        return texts[0][:cut], texts[0][cut:]
+    return load_hub(cfg.dataset, cfg.train_split)
+
+
+# the hub's configurations: WikiText-103 raw, as Paper A's code loads it; WikiText-2 in its tokenized
+# release (<unk> for rare words), the text of the usual wiki.*.tokens files that --data_dir reads
+HUB = {"wikitext103": ("wikitext-103-raw-v1", "WikiText-103"), "wikitext2": ("wikitext-2-v1", "WikiText-2")}
+
+
+def load_hub(dataset, train_split="train"):
+    """(train_text, validation_text) of WikiText by name from the Hugging Face hub (cached after once)."""
+    name, title = HUB[dataset]
+    if not os.environ.get("HF_HUB_OFFLINE") and not reachable("huggingface.co"):
+        # no network: use only the local Hugging Face cache, and fail in a second instead of retrying for half a minute
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        import datasets
+        ds = datasets.load_dataset("Salesforce/wikitext", name)
+        return "".join(ds[train_split]["text"]), "".join(ds["validation"]["text"])
+    except Exception as e:
+        raise RunError(f"cannot load {title} from the Hugging Face hub ({type(e).__name__}); offline? use "
+                       "--dataset wikitext2 --data_dir DIR (a folder of WikiText-2 files), --dataset text "
+                       "--data_files FILE, or --dataset pydoc") from None
+
+
+def reachable(host, port=443, timeout=3.0):
+    """Can we open a TCP connection to host within timeout seconds? (A cheap test for "offline".)"""
+    import socket
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def read_file(path):
+    if not os.path.isfile(path):
+        raise RunError(f"data file {path} not found")
+    text = open(path, encoding="utf-8", errors="replace").read()
+    if not text.strip():
+        raise RunError(f"data file {path} is empty")
+    return text
+
+
+def prepare_data(cfg):
+    """Tokenize once into uint16/uint32 memmaps under cache_dir; later runs reuse them.
+    Returns (train_tokens, val_tokens, tokenizer_meta)."""
+    if isinstance(cfg, dict):  # a checkpoint's settings (sample.py)
+        names = ("dataset", "data_dir", "data_files", "tokenizer", "cache_dir", "train_split")
+        cfg = namedtuple("DataSettings", names)(*(cfg.get(k) or {"train_split": "train"}.get(k, "") for k in names))
+    src = {"wikitext2": cfg.data_dir, "text": cfg.data_files}.get(cfg.dataset, "")
+    stamp = [(os.path.abspath(p), os.path.getsize(p), int(os.path.getmtime(p)))
+             for p in src.split(",") if p and os.path.isfile(p)] if cfg.dataset == "text" else src
+    # a stable digest (not hash(), which changes with every Python process): the cache outlives the run
+    digest = hashlib.sha1(json.dumps(stamp).encode()).hexdigest()[:8] if src else ""
+    split = "" if cfg.train_split == "train" or cfg.dataset not in HUB else f"-{cfg.train_split}"
+    key = re.sub(r"\W", "_", f"{cfg.dataset}{split}-{cfg.tokenizer}-{digest}")
+    if cfg.dataset == "wikitext2" and os.path.isdir(cfg.data_dir):
+        key += "-" + str(sum(os.path.getsize(os.path.join(cfg.data_dir, f)) for f in os.listdir(cfg.data_dir)))
+    folder = os.path.join(cfg.cache_dir, key)
+    meta_path = os.path.join(folder, "meta.json")
+    if not os.path.isfile(meta_path):
+        train_text, val_text = read_texts(cfg)
+        meta = fit_regex_tokenizer(train_text) if cfg.tokenizer == "regex" else {"kind": cfg.tokenizer}
+        tok = get_tokenizer(meta)
+        dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
+        from tqdm import tqdm
+        try:
+            os.makedirs(folder, exist_ok=True)
+            for split, text in (("train", train_text), ("val", val_text)):
+                lines = text.splitlines(keepends=True)
+                chunks = ["".join(lines[i:i + 2000]) for i in range(0, len(lines), 2000)]
+                ids = [i for c in tqdm(chunks, desc=f"tokenizing {split}", disable=None) for i in tok.encode(c)]
+                if not ids:
+                    raise RunError(f"the {split} split of --dataset {cfg.dataset} has no tokens; use more text")
+                # write under a name of this process, then rename: torchrun ranks may tokenize at the same time
+                tmp = os.path.join(folder, f"{split}.{os.getpid()}.tmp")
+                arr = np.memmap(tmp, dtype=dtype, mode="w+", shape=(len(ids),))
+                arr[:] = ids
+                arr.flush()
+                del arr
+                os.replace(tmp, os.path.join(folder, f"{split}.bin"))
+            meta["dtype"] = np.dtype(dtype).name
+            atomic_write_text(meta_path, json.dumps(meta))  # written last: its presence means the cache is complete
+        except OSError as e:
+            raise RunError(f"cannot write the token cache in {folder} ({e.strerror}); pick another --cache_dir") from None
+    meta = json.load(open(meta_path))
+    load = lambda s: np.memmap(os.path.join(folder, f"{s}.bin"), dtype=meta["dtype"], mode="r")
+    return load("train"), load("val"), meta
+
+
+def get_batch(data, batch_size, block_size, generator):
+    """Random windows (nanoGPT); the generator is seeded from (seed, step, rank), so a resumed
+    run draws exactly the batches the uninterrupted run would have drawn."""
+    if len(data) <= block_size + 1:
+        raise RunError(f"split has {len(data)} tokens, fewer than block_size+1={block_size + 1}; lower --block_size")
+    ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator)
+    x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix.tolist()])
+    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix.tolist()])
+    return x, y
+
+
+def windows_batch(data, batch_size, block_size, stride, seed, index):
+    """Batch number `index` of Paper A's epochs: the windows data[s:s+block_size+1] start every
+    `stride` tokens (stride block_size/2: each token is seen twice an epoch), and each epoch walks
+    through a fresh permutation of them, seeded by (seed, epoch). Returns (x, y)."""
+    n = (len(data) - block_size - 1) // stride + 1  # windows in one epoch
+    if n < 1:
+        raise RunError(f"split has {len(data)} tokens, fewer than block_size+1={block_size + 1}; lower --block_size")
+    picks = []
+    for i in range(index * batch_size, (index + 1) * batch_size):
+        epoch, j = divmod(i, n)
+        picks.append(int(epoch_order(n, seed, epoch)[j]) * stride)
+    x = torch.stack([torch.from_numpy(data[s:s + block_size].astype(np.int64)) for s in picks])
+    y = torch.stack([torch.from_numpy(data[s + 1:s + 1 + block_size].astype(np.int64)) for s in picks])
+    return x, y
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(n, seed, epoch):
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7_919 + epoch))
+
+
+def n_windows(n_tokens, block_size, stride):
+    """Windows in one epoch: how train.py turns --epochs into steps."""
+    return max(0, (n_tokens - block_size - 1) // stride + 1)
+
+
+def atomic_write(path, write):
+    """write(tmp_path), then rename over path: a crash mid-write never leaves a torn file at path.
+    The temporary file is removed if the write fails."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def atomic_write_text(path, text):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+    atomic_write(path, write)
+
+
+# ---------------------------------------------------------------- addition data (Paper B)
+def addition_block_size(digits):
+    return 2 * digits + 3 + digits + 2   # "a+b= " + reversed sum (<= digits+1 digits) + "§"
+
+
+def addition_batch(n, digits, generator, exclude=None):
+    """n problems "1750+4733= 3846§" (sum reversed, least significant digit first), right-padded.
+    Targets cover the space, the answer digits and § only. exclude: codes a*10^d+b held out."""
+    lo, hi = 10 ** (digits - 1), 10 ** digits
+    a = torch.randint(lo, hi, (n,), generator=generator)
+    b = torch.randint(lo, hi, (n,), generator=generator)
+    if exclude is not None:  # redraw the (rare) collisions with the held-out set
+        bad = torch.from_numpy(np.isin((a * hi + b).numpy(), exclude))
+        while bad.any():
+            a[bad] = torch.randint(lo, hi, (int(bad.sum()),), generator=generator)
+            bad = torch.from_numpy(np.isin((a * hi + b).numpy(), exclude))
+    T = addition_block_size(digits)
+    pad = len(ADDITION_CHARS)
+    x = torch.full((n, T), pad)
+    y = torch.full((n, T), -1)
+    for i, (p, q) in enumerate(zip(a.tolist(), b.tolist())):
+        s = [ADDITION_CHARS.index(c) for c in f"{p}+{q}= {str(p + q)[::-1]}§"]
+        x[i, :len(s)] = torch.tensor(s)
+        start = 2 * digits + 1  # position of "=": from here on, predict " ", the digits and "§"
+        y[i, start:len(s) - 1] = torch.tensor(s[start + 1:])
+    return x, y, a * hi + b
+
+
+def addition_heldout(digits, n, seed):
+    return addition_batch(n, digits, torch.Generator().manual_seed(10_000 + seed))

@@ -1,0 +1,338 @@
+"""
+report.py: what a run leaves behind and what it measures. Checkpoints (save, load), the
+evaluation that fills report.json (per loop k: CE, ‖H_k‖, radial fraction, fixed-point residual,
+spectral radius, clamp ΔCE, tokens/s; addition: exact match at every depth), the plots, and
+`train.py --compare`, which tables and overlays several runs.
+
+Two curves over depth, told apart. The early-exit curve (Paper A's public code) reads loop k's
+logits from one run at the trained depth K, so final_norm's readout is raw at k < K: that is the
+row's "ce". Beyond K, row k is the model run at depth k. For final_norm the curve of the model run
+at depth k (normalized at its own last loop) is also given, as "ce_run_at_k".
+"""
+import json
+import math
+import os
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import stars
+from configurator import RunError, UsageError
+from data import addition_heldout, atomic_write, atomic_write_text, get_batch
+from looplm import LoopLM, LoopLMConfig, fixed_point_residual, norm_stats, radial_fraction, token_norms
+
+
+# ---------------------------------------------------------------- checkpoints
+def save_checkpoint(path, obj):
+    """Write to a temporary file, then rename: a crash mid-write never destroys the last checkpoint."""
+    try:
+        atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    except (OSError, RuntimeError) as e:  # disk full: torch.save raises RuntimeError, open() OSError
+        raise RunError(f"cannot write checkpoint {path} ({getattr(e, 'strerror', None) or str(e).splitlines()[0]}); "
+                       "the previous one, if any, is intact") from None
+
+
+def load_checkpoint(path, device="cpu"):
+    """Load ckpt.pt (a directory or a file) with weights_only=True: a checkpoint cannot run code."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "ckpt.pt")
+    if not os.path.isfile(path):
+        raise RunError(f"no checkpoint at {path}; train one first (or use --init_from scratch)")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except PermissionError:
+        raise RunError(f"checkpoint {path} is not readable (permission denied)") from None
+    except Exception as e:
+        why = ("it holds objects other than tensors and plain data, which weights_only=True refuses to unpickle"
+               if "unsupported global" in str(e).lower() else f"truncated or corrupted? {type(e).__name__}")
+        raise RunError(f"checkpoint {path} is unreadable ({why})") from None
+    if not isinstance(ckpt, dict) or not {"model", "model_args", "config", "tokenizer"} <= ckpt.keys():
+        raise RunError(f"{path} is not a looplm checkpoint (written by train.py)")
+    return ckpt
+
+
+def model_from_checkpoint(ckpt, device="cpu"):
+    model = LoopLM(LoopLMConfig.from_dict(ckpt["model_args"]))
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval()
+
+
+# ---------------------------------------------------------------- evaluation
+def evaluate(model, cfg, val_data, device, ctx, final=False):
+    """Evaluate at loops 1..eval_loops: (validation loss that picks the best checkpoint, report dict).
+    The loss is CE at the trained depth (LM), or 1 − exact match there (addition)."""
+    model.eval()
+    K, mcfg = model.config.n_loops, model.config
+    K_eval = cfg.eval_loops or (32 if cfg.task == "addition" else K)
+    report = {"config": {**vars(cfg), **vars(mcfg)}, "params": model.num_params()}
+    if cfg.task == "addition":
+        report["addition"] = addition_eval(model, cfg, K_eval, device)
+        acc = report["addition"]["accuracy"]
+        val_loss = 1.0 - acc[str(min(K, K_eval))]
+        print("exact match " + " ".join(f"K{k}={100 * acc[str(k)]:.1f}%" for k in (1, 2, 4, 8, 16, 32, 64, 100)
+                                         if str(k) in acc))
+    else:
+        rows, n_tok = evaluate_lm(model, val_data, cfg, K_eval, device, ctx)
+        report["per_loop"], report["eval_tokens"] = rows, n_tok
+        report["norm_convention"] = "per-token L2 norm ||H_k||_2 (RMS = L2/sqrt(n_embd))"
+        val_loss = float(rows[min(K, K_eval) - 1]["ce"])
+        last = rows[-1]
+        print("val CE by loop " + " ".join(f"K{r['k']}={r['ce']:.4f}" for r in rows)
+              + f" | ‖H_K‖ mean {last['norm_mean']:.1f} p99 {last['norm_p99']:.1f} max {last['norm_max']:.1f}"
+              f" | radial {last['radial_fraction']:.1e} | clamp ΔCE {last['clamp_delta_ce']:+.4f}")
+        if final:
+            x, _ = get_batch(val_data, 8, mcfg.block_size, torch.Generator().manual_seed(cfg.seed + 999))
+            with torch.no_grad():
+                n = token_norms(model.loop_states(x.to(device), K_eval)[-1]).cpu().numpy()
+            counts, edges = np.histogram(n, bins=60)
+            report["norm_hist"] = {"counts": counts.tolist(), "edges": edges.tolist()}
+    model.train()
+    return val_loss, report
+
+
+@torch.no_grad()
+def addition_eval(model, cfg, n_loops, device):
+    """Greedy exact match per loop count. Teacher forcing gives the same verdict as greedy
+    decoding until '§': the greedy answer is right iff the argmax is the true token at every
+    answer position given the true prefix. So one pass to n_loops scores every depth."""
+    x, y, _ = addition_heldout(cfg.digits, cfg.eval_problems, cfg.seed)
+    acc, resid = {}, {}
+    correct = torch.zeros(n_loops, len(x), dtype=torch.bool)
+    res_sum = torch.zeros(n_loops)
+    for i in range(0, len(x), 250):
+        xb, yb = x[i:i + 250].to(device), y[i:i + 250].to(device)
+        mask = yb != -1
+        states = model.loop_states(xb, n_loops)
+        for k, h in enumerate(states, 1):
+            pred = model.readout(h, k, max(k, model.config.n_loops)).argmax(-1)  # early exit, as evaluate_lm
+            correct[k - 1, i:i + 250] = ((pred == yb) | ~mask).all(-1).cpu()
+            if k > 1:
+                res_sum[k - 1] += fixed_point_residual(states[k - 2][mask], h[mask]) * len(xb)
+    for k in range(1, n_loops + 1):
+        acc[str(k)] = correct[k - 1].float().mean().item()
+        resid[str(k)] = res_sum[k - 1].item() / len(x) if k > 1 else None
+    # spectral radius of the loop map at a few depths, on 64 problems (power iteration)
+    rho = {}
+    xb = x[:64].to(device)
+    states = model.loop_states(xb, n_loops)
+    with torch.enable_grad(), model.math_attention():
+        h0 = model.embed(xb).detach()
+        for k in sorted({1, 2, 4, 8, 16, 32, 64, 100, n_loops}):
+            if k <= n_loops:
+                step = stars.looplm_step_fn(model, h0) if k > 1 else lambda h: type(model).step(model, h, h0)
+                rho[str(k)] = stars.spectral_radius(step, h0 if k == 1 else states[k - 2], iters=10)
+    return {"accuracy": acc, "residual": resid, "rho": rho}
+
+
+@torch.no_grad()
+def evaluate_lm(model, val, cfg, K_eval, device, ctx):
+    """Per loop k = 1..K_eval: CE/PPL, ‖H_k‖ stats (L2, per token), radial gradient fraction,
+    fixed-point residual, spectral radius of the loop map, clamp ΔCE, tokens/s at depth k.
+    Row k's "ce" is the early-exit curve: loop k's readout in the run at the trained depth K
+    (readout(h, k, K), Paper A's protocol), and beyond K the model run at depth k. For final_norm,
+    "ce_run_at_k" adds the model run at depth k (normalized at loop k). Same batches for every k."""
+    B, T = min(cfg.batch_size, 16), model.config.block_size
+    g = torch.Generator().manual_seed(cfg.seed + 999)  # fixed validation batches
+    batches = [get_batch(val, B, T, g) for _ in range(cfg.eval_iters)]
+    ce, ce_run, ce_clamp, res = np.zeros(K_eval), np.zeros(K_eval), np.zeros(K_eval), np.zeros(K_eval)
+    K_train, final_norm = model.config.n_loops, model.config.readout == "final_norm"
+    norms = [[] for _ in range(K_eval)]
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        with ctx:
+            states = model.loop_states(x, K_eval)
+            clamped = model.loop_states(x, K_eval, clamp=True)
+            for k in range(1, K_eval + 1):
+                lk = lambda s, K: F.cross_entropy(model.readout(s[k - 1], k, K).float().flatten(0, 1), y.flatten())
+                ce[k - 1] += lk(states, max(k, K_train)).item() / len(batches)
+                ce_run[k - 1] += lk(states, k).item() / len(batches)
+                ce_clamp[k - 1] += lk(clamped, max(k, K_train)).item() / len(batches)
+                norms[k - 1].append(token_norms(states[k - 1]).cpu())
+                if k > 1:
+                    res[k - 1] += fixed_point_residual(states[k - 2], states[k - 1]) / len(batches)
+    x, y = batches[0][0].to(device), batches[0][1].to(device)
+    states = model.loop_states(x, K_eval)
+    h0 = model.embed(x[:4])
+    # ρ(∂H_k/∂H_{k-1}) on 4 sequences: loop 1 maps H_0 through F alone, later loops through the carry too
+    first = lambda h: type(model).step(model, h, h0.detach())
+    rows = []
+    for k in range(1, K_eval + 1):
+        s = norm_stats(torch.cat(norms[k - 1]))
+        with model.math_attention():
+            rho = (stars.spectral_radius(first, h0, iters=10) if k == 1 else
+                   stars.spectral_radius(stars.looplm_step_fn(model, h0), states[k - 2][:4], iters=10))
+        rows.append({"k": k, "ce": ce[k - 1], "ppl": math.exp(ce[k - 1]),
+                     **({"ce_run_at_k": ce_run[k - 1]} if final_norm else {}),
+                     **{f"norm_{n}": s[n] for n in ("mean", "median", "p99", "max", "std", "min")},
+                     "radial_fraction": radial_fraction(model, states[k - 1], y, k, max(k, K_train)),
+                     "fixed_point_residual": res[k - 1] if k > 1 else None,
+                     "spectral_radius": rho,
+                     "clamp_delta_ce": ce_clamp[k - 1] - ce[k - 1],
+                     "tokens_per_s": depth_throughput(model, x, k, device, ctx)})
+    return rows, sum(len(n) for n in norms[0])
+
+
+def depth_throughput(model, x, k, device, ctx, reps=3):
+    """Inference tokens/s of a full forward at depth k (best of reps)."""
+    best = float("inf")
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        with ctx:
+            model(x, n_loops=k)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() / best
+
+
+def sync(device):
+    if "cuda" in str(device):
+        torch.cuda.synchronize()
+
+
+def plot_report(out_dir, report, log_rows):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = report.get("per_loop")
+    if rows:
+        ks = [r["k"] for r in rows]
+        fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
+        ax[0].semilogy(ks, [r["norm_mean"] for r in rows], "o-", label="mean")
+        ax[0].semilogy(ks, [r["norm_p99"] for r in rows], "s--", label="p99")
+        ax[0].set(xlabel="loop k", ylabel="per-token ‖H_k‖₂", title="state norm vs loop")
+        ax[0].legend()
+        ax[1].plot(ks, [r["ppl"] for r in rows], "o-")
+        ax[1].set(xlabel="loop k", ylabel="validation PPL", title="PPL vs loop")
+        ax[2].plot([r["tokens_per_s"] for r in rows], [r["ppl"] for r in rows], "o-")
+        for r in rows:
+            ax[2].annotate(f"K={r['k']}", (r["tokens_per_s"], r["ppl"]))
+        ax[2].set(xlabel="tokens/s", ylabel="PPL", title="quality-compute frontier")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "per_loop.png"), dpi=90)
+        plt.close(fig)
+    if report.get("norm_hist"):
+        fig, ax = plt.subplots(figsize=(5, 3.4))
+        h = report["norm_hist"]
+        ax.stairs(h["counts"], h["edges"])
+        ax.set(xlabel="per-token ‖H_K‖₂", ylabel="tokens", title="token norms at the last loop", yscale="log")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "norm_hist.png"), dpi=90)
+        plt.close(fig)
+    if "addition" in report:
+        acc = report["addition"]["accuracy"]
+        fig, ax = plt.subplots(figsize=(5, 3.4))
+        ax.plot([int(k) for k in acc], [100 * v for v in acc.values()], "o-")
+        ax.set(xlabel="loops at inference", ylabel="exact match (%)", xscale="log", title="addition, held out")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "addition.png"), dpi=90)
+        plt.close(fig)
+    train_rows = [r for r in log_rows if "loss" in r]
+    if train_rows:
+        fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
+        ax[0].plot([r["iter"] for r in train_rows], [r["loss"] for r in train_rows])
+        ax[0].set(xlabel="step", ylabel="train loss")
+        ax[1].semilogy([r["iter"] for r in train_rows], [r["norm_K"] for r in train_rows])
+        ax[1].set(xlabel="step", ylabel="mean ‖H_K‖₂ (train batch)")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "training.png"), dpi=90)
+        plt.close(fig)
+
+
+def read_log(d):
+    """log.jsonl's rows; a torn last line (a run killed mid-write) is skipped."""
+    p = os.path.join(d, "log.jsonl")
+    rows = []
+    for line in open(p) if os.path.exists(p) else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
+
+
+def read_report(d):
+    p = os.path.join(d, "report.json")
+    try:
+        return json.load(open(p))
+    except FileNotFoundError:
+        raise RunError(f"{p} not found; train or --eval_only that run first") from None
+    except (OSError, ValueError) as e:
+        raise RunError(f"{p} is unreadable ({type(e).__name__}); rerun that run's evaluation with --eval_only") from None
+
+
+def run_names(dirs):
+    """Short names for runs: the folder name, or more of the path where two runs share it."""
+    parts = [os.path.normpath(d).split(os.sep) for d in dirs]
+    for n in range(1, max(map(len, parts)) + 1):
+        names = [os.path.join(*p[-n:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    raise UsageError("--compare names the same run twice")
+
+
+def write_report(out_dir, report):
+    atomic_write_text(os.path.join(out_dir, "report.json"), json.dumps(report, indent=1))
+    plot_report(out_dir, report, read_log(out_dir))
+    print(f"wrote {out_dir}/report.json and plots")
+
+
+def drift_exponent(log_rows):
+    """Fit ‖H_K‖ ∝ step^b over the second half of training (least squares in log-log): b ≈ 0
+    means the norm has saturated, b > 0 that it is still growing (b = 1: linearly)."""
+    rows = [r for r in log_rows if "norm_K" in r]
+    half = [r for r in rows if rows and r["iter"] >= rows[-1]["iter"] / 2]
+    if len(half) < 3:
+        return None
+    return float(np.polyfit(np.log([r["iter"] for r in half]), np.log([r["norm_K"] for r in half]), 1)[0])
+
+
+def compare_runs(dirs, out):
+    """--compare: overlay several runs' plots in out/ and print a markdown table, a row per run.
+    Addition runs: exact match vs loops. LM runs: PPL vs K and ‖H_K‖ vs training step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = {name: (read_report(d), read_log(d)) for name, d in zip(run_names(dirs), dirs)}
+    add = all("addition" in rep for rep, _ in runs.values())
+    if not add and any("addition" in rep for rep, _ in runs.values()):
+        raise UsageError("--compare takes either addition runs or language-model runs, not a mix")
+    figs = [("compare_accuracy.png",)] if add else [("compare_ppl.png",), ("compare_norms.png",)]
+    axes = []
+    for _ in figs:
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        axes.append((fig, ax))
+    if add:
+        ks = (1, 2, 4, 8, 16, 32)
+        print("| run | " + " | ".join(f"K={k}" for k in ks) + " | residual at K=32 | ρ at K=32 |\n|" + "---|" * (len(ks) + 3))
+        for name, (rep, _) in runs.items():
+            a = rep["addition"]
+            axes[0][1].plot([int(k) for k in a["accuracy"]], [100 * v for v in a["accuracy"].values()], label=name)
+            fmt = lambda v, f: "n/a" if v is None else format(v, f)
+            print(f"| {name} | " + " | ".join(fmt(100 * a["accuracy"][str(k)], ".1f") + "%" if str(k) in a["accuracy"] else "n/a"
+                                         for k in ks) + f" | {fmt(a['residual'].get('32'), '.2e')} | {fmt(a['rho'].get('32'), '.3f')} |")
+        axes[0][1].set(xlabel="loops at inference", ylabel="exact match (%)", xscale="log")
+    else:
+        print("| run | ‖H_K‖ mean | p99 | max | radial fraction | PPL K=1 | K=2 | K=3 | K=4 | ΔPPL 1→4 | clamp ΔCE | "
+              "drift exponent b |\n|" + "---|" * 12)
+        for name, (rep, log) in runs.items():
+            rows, b = rep["per_loop"], drift_exponent(log)
+            last = rows[-1]
+            axes[0][1].plot([r["k"] for r in rows], [r["ppl"] for r in rows], "o-", label=name)
+            train_rows = [r for r in log if "norm_K" in r]
+            axes[1][1].semilogy([r["iter"] for r in train_rows], [r["norm_K"] for r in train_rows], label=name)
+            print(f"| {name} | {last['norm_mean']:.1f} | {last['norm_p99']:.1f} | {last['norm_max']:.1f} | "
+                  f"{last['radial_fraction']:.1e} | " + " | ".join(f"{r['ppl']:.3f}" for r in rows[:4])
+                  + " | n/a" * (4 - min(4, len(rows))) +
+                  f" | {rows[min(3, len(rows) - 1)]['ppl'] - rows[0]['ppl']:+.3f} | {last['clamp_delta_ce']:+.4f} | "
+                  + ("n/a" if b is None else f"{b:+.2f}") + " |")
+        axes[0][1].set(xlabel="loops at inference (K)", ylabel="validation PPL")
+        axes[1][1].set(xlabel="training step", ylabel="mean per-token ‖H_K‖₂ (train batch)")
+    for (name,), (fig, ax) in zip(figs, axes):
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, name), dpi=90)
+        plt.close(fig)
+    return [os.path.join(out, name) for (name,) in figs]

@@ -1,0 +1,117 @@
+"""Tests of report.py: the evaluation, report.json, plots, --compare. Fast unless marked slow: `python -m pytest -q -m "not slow"`."""
+import contextlib
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import report
+import train
+from conftest import TRAIN_TINY, copy_run, file_bytes, run_train
+
+TRAIN_PER_LOOP_FIELDS = {"k", "ce", "ppl", "norm_mean", "norm_median", "norm_p99", "norm_max", "norm_std", "norm_min",
+                         "radial_fraction", "fixed_point_residual", "spectral_radius", "clamp_delta_ce", "tokens_per_s"}
+
+
+@pytest.mark.slow
+def test_report_has_every_field_and_eval_only_rewrites_it(trained_run, train_data_args, tmp_path):
+    out = copy_run(trained_run, tmp_path / "run")
+    rep = json.load(open(os.path.join(out, "report.json")))
+    assert {"config", "params", "per_loop"} <= set(rep)
+    assert rep["params"] == report.model_from_checkpoint(report.load_checkpoint(out)).num_params()
+    assert rep["config"]["n_embd"] == 32 and rep["config"]["n_loops"] == 2
+    assert [r["k"] for r in rep["per_loop"]] == [1, 2]  # K_eval defaults to n_loops
+    for r in rep["per_loop"]:
+        assert set(r) == TRAIN_PER_LOOP_FIELDS
+        for name, v in r.items():
+            if name == "fixed_point_residual" and r["k"] == 1:
+                assert v is None
+            else:
+                assert isinstance(v, (int, float)) and math.isfinite(v), (name, v)
+        assert abs(r["ppl"] - math.exp(r["ce"])) < 1e-6 * r["ppl"] and r["norm_min"] <= r["norm_median"] <= r["norm_p99"] <= r["norm_max"]
+    for png in ("per_loop.png", "norm_hist.png", "training.png"):
+        assert os.path.getsize(os.path.join(out, png)) > 1000
+    ckpt = file_bytes(os.path.join(out, "ckpt.pt"))
+    os.remove(os.path.join(out, "per_loop.png"))
+    assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--eval_only", "--init_from", "resume", "--eval_loops", 3]) == 0
+    rep2 = json.load(open(os.path.join(out, "report.json")))
+    assert [r["k"] for r in rep2["per_loop"]] == [1, 2, 3]  # re-evaluated, here to depth 3
+    assert all(abs(x["ce"] - y["ce"]) < 1e-6 for x, y in zip(rep["per_loop"], rep2["per_loop"]))  # same weights
+    assert os.path.isfile(os.path.join(out, "per_loop.png")) and file_bytes(os.path.join(out, "ckpt.pt")) == ckpt
+
+
+@pytest.mark.slow
+def test_addition_teacher_forced_exact_match_equals_greedy_decoding(tmp_path):
+    out = str(tmp_path / "add")
+    argv = ["--task", "addition", "--digits", 2, "--n_embd", 64, "--n_head", 4, "--n_layer", 1, "--n_loops", 1,
+            "--mlp", "gelu", "--block_norm", "sandwich", "--inject", "--dropout", 0, "--init", "nanogpt", "--batch_size", 128,
+            "--max_iters", 120, "--learning_rate", 5e-3, "--eval_interval", 120, "--log_interval", 60,
+            "--eval_loops", 3, "--eval_problems", 50, "--out_dir", out, "--device", "cpu", "--num_threads", 1]
+    assert run_train(argv) == 0
+    ckpt = report.load_checkpoint(out)
+    model = report.model_from_checkpoint(ckpt)
+    cfg = train.TrainConfig(**ckpt["config"])
+    acc = report.addition_eval(model, cfg, 3, "cpu")["accuracy"]
+    x, _, codes = data.addition_heldout(2, 50, cfg.seed)
+    tok = data.get_tokenizer({"kind": "addition"})
+    verdicts = []
+    for k in (1, 2, 3):  # real greedy decoding, token by token, until §
+        seq = x[:, :6]  # "ab+cd="
+        with torch.no_grad():
+            for _ in range(5):  # " " + up to 3 digits + "§"
+                logits = model.readout(model.loop_states(seq, k)[-1][:, -1], k, k)
+                seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
+        right = []
+        for row, code in zip(seq[:, 6:].tolist(), codes.tolist()):
+            a, b = divmod(code, 100)
+            text = tok.decode(row)
+            right.append(text[: text.index("§") + 1] == f" {str(a + b)[::-1]}§" if "§" in text else False)
+        verdicts += right
+        assert round(acc[str(k)] * 50) == sum(right), (k, acc[str(k)], sum(right))
+    assert 0 < sum(verdicts) < len(verdicts)  # a mix of right and wrong answers: the comparison means something
+
+
+@pytest.mark.slow
+def test_compare_prints_table_and_drift_exponent(trained_run, tmp_path, capsys):
+    # the drift fit recovers a known power law; --compare turns reports into a table row and plots
+    rows = [{"iter": s, "norm_K": 3.0 * s ** 0.5} for s in range(10, 201, 10)]
+    assert abs(report.drift_exponent(rows) - 0.5) < 1e-9
+    assert abs(report.drift_exponent([{"iter": s, "norm_K": 7.0} for s in range(10, 201, 10)])) < 1e-9
+    capsys.readouterr()
+    assert run_train(["--compare", trained_run, "--out_dir", tmp_path]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rep = json.load(open(os.path.join(trained_run, "report.json")))["per_loop"]
+    row = [l for l in out if l.startswith("| " + os.path.basename(trained_run))][0].split("|")
+    assert float(row[6]) == round(rep[0]["ppl"], 3)  # PPL at K=1
+    assert len(row) == len(out[0].split("|")) and os.path.isfile(tmp_path / "compare_norms.png")
+    # two runs with the same folder name in different parents: two rows, named by enough of their path
+    a, b = copy_run(trained_run, tmp_path / "x" / "run"), copy_run(trained_run, tmp_path / "y" / "run")
+    assert run_train(["--compare", f"{a},{b}", "--out_dir", tmp_path]) == 0
+    rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| x/run") or l.startswith("| y/run")]
+    assert len(rows) == 2
+
+
+@pytest.mark.slow
+def test_early_exit_curve_reads_final_norm_raw_before_the_trained_depth():
+    # Paper A's early-exit curve: loop k's logits from the run at the trained depth K, so final_norm's
+    # readout at k < K is the raw one; "ce_run_at_k" is the model run at depth k (normalized at loop k)
+    from conftest import tiny
+    fn, raw = tiny(readout="final_norm", n_loops=3), tiny(readout="raw", n_loops=3)  # same seed: same weights
+    raw.load_state_dict(fn.state_dict())
+    val = np.random.default_rng(0).integers(0, 61, 4000).astype(np.uint16)
+    cfg = train.TrainConfig(batch_size=4, eval_iters=2, seed=0)
+    rows, _ = report.evaluate_lm(fn, val, cfg, 5, "cpu", contextlib.nullcontext())
+    raw_rows, _ = report.evaluate_lm(raw, val, cfg, 5, "cpu", contextlib.nullcontext())
+    norm = tiny(readout="norm", n_loops=3)
+    norm.load_state_dict(fn.state_dict())
+    norm_rows, _ = report.evaluate_lm(norm, val, cfg, 5, "cpu", contextlib.nullcontext())
+    for k in (1, 2):  # before K: raw; run at depth k: normalized at its last loop
+        assert abs(rows[k - 1]["ce"] - raw_rows[k - 1]["ce"]) < 1e-6
+        assert abs(rows[k - 1]["ce_run_at_k"] - norm_rows[k - 1]["ce"]) < 1e-6
+    for k in (3, 4, 5):  # at and past K, both curves are the model run at depth k
+        assert abs(rows[k - 1]["ce"] - norm_rows[k - 1]["ce"]) < 1e-6 and rows[k - 1]["ce_run_at_k"] == rows[k - 1]["ce"]
+    assert "ce_run_at_k" not in raw_rows[0]
