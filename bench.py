@@ -144,7 +144,7 @@ def profile_steps(steps, names, flops, peak, device):
 
 @torch.no_grad()
 def eval_throughput(model, X, K, ctx, args, device):
-    """Tokens/s of a forward at depth k = 1..K (last-position readout, as train.py's depth_throughput), then
+    """Tokens/s of a forward at depth k = 1..K (last-position readout, as report.depth_throughput), then
     of KV-cached generation (sample.generate, greedy; prefill of the prompt, the batch's first T/8 tokens,
     included) of n_new new tokens per row at fixed depth K and with adaptive exit (max_prob). The exit
     threshold is the median loop-1 max_prob on the prompt, so even a random model has tokens both sides."""

@@ -199,7 +199,7 @@ def windows_batch(data, batch_size, block_size, stride, seed, index):
     """Batch number `index` of Paper A's epochs: the windows data[s:s+block_size+1] start every
     `stride` tokens (stride block_size/2: each token is seen twice an epoch), and each epoch walks
     through a fresh permutation of them, seeded by (seed, epoch). Returns (x, y)."""
-    n = (len(data) - block_size - 1) // stride + 1  # windows in one epoch
+    n = n_windows(len(data), block_size, stride)
     if n < 1:
         raise RunError(f"split has {len(data)} tokens, fewer than block_size+1={block_size + 1}; lower --block_size")
     picks = []

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from configurator import check, setting
+from configurator import UsageError, check, setting
 
 
 @dataclass
@@ -59,7 +59,7 @@ class LoopLMConfig:
     def __post_init__(self):
         check(self)
         if self.n_embd % self.n_head:
-            raise ValueError(f"--n_embd {self.n_embd} is not divisible by --n_head {self.n_head}; "
+            raise UsageError(f"--n_embd {self.n_embd} is not divisible by --n_head {self.n_head}; "
                              "pick n_embd a multiple of n_head")
 
     @classmethod
@@ -67,6 +67,7 @@ class LoopLMConfig:
         """Build from a dict (a checkpoint's, say), ignoring keys this version does not know.
         Checkpoints written before the rename of n_loop to n_loops load too."""
         d = {("n_loops" if k == "n_loop" else k): v for k, v in d.items()}
+        d.setdefault("init", "nanogpt")  # checkpoints from before the init setting were made with nanoGPT's
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -208,9 +209,13 @@ class LoopLM(nn.Module):
         pos = torch.arange(pos0, pos0 + T, device=idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
-    def step(self, h, h0=None, cache=None):
-        """One pass of the shared stack F. h0 (the embedding) is added first when config.inject
-        is on; cache is a list of per-layer dicts for this loop (KV cache, see sample.py)."""
+    def step(self, h, h0=None, cache=None, first=False):
+        """One loop, H_k from H_{k-1}: the map whose Jacobian STARS regularizes. The state is
+        carried into the loop (LoopLM.carry; the first loop takes H_0 as it is), h0 (the embedding)
+        is added when config.inject is on, then the shared stack F runs. cache is a list of
+        per-layer dicts for this loop (KV cache, see sample.py)."""
+        if not first:
+            h = self.carry(h)
         if self.config.inject:
             h = h + h0
         for i, block in enumerate(self.blocks):
@@ -238,13 +243,12 @@ class LoopLM(nn.Module):
         h0 = self.embed(idx)
         h, states = h0, []
         for k in range(1, K + 1):
-            x = h if k == 1 else self.carry(h)  # the next loop's input
             no_grad = grad_loops is not None and k <= K - grad_loops
             with torch.set_grad_enabled(torch.is_grad_enabled() and not no_grad):
                 if checkpoint and torch.is_grad_enabled():
-                    h = torch.utils.checkpoint.checkpoint(self.step, x, h0, use_reentrant=False)
+                    h = torch.utils.checkpoint.checkpoint(self.step, h, h0, None, k == 1, use_reentrant=False)
                 else:
-                    h = self.step(x, h0)
+                    h = self.step(h, h0, first=k == 1)
             if clamp:
                 if k == 1:
                     rms1 = rms(h)
@@ -264,7 +268,7 @@ class LoopLM(nn.Module):
 
     def readouts(self, states, n_loops=None):
         """Every loop's logits, [(k, logits_k)], when the model runs n_loops loops (default:
-        len(states)). The one place that reads out every depth: training, evaluation, sampling."""
+        len(states)): per-loop training, ce_by_loop, sample.loop_table."""
         K = len(states) if n_loops is None else n_loops
         return [(k, self.readout(h, k, K)) for k, h in enumerate(states, 1)]
 
@@ -337,7 +341,7 @@ def norm_stats(norms):
 
 @torch.no_grad()
 def ce_by_loop(model, idx, targets, n_loops=None, clamp=False):
-    """[CE_1, ..., CE_K] (floats): every loop's readout in one K-loop run (the early-exit curve)."""
+    """[CE_1, ..., CE_K] (floats): every loop's readout in one run of n_loops loops, readout(h, k, n_loops)."""
     states = model.loop_states(idx, n_loops or model.config.n_loops, clamp=clamp)
     return [F.cross_entropy(lg.flatten(0, 1).float(), targets.flatten(), ignore_index=-1).item()
             for _, lg in model.readouts(states)]

@@ -114,16 +114,21 @@ def addition_eval(model, cfg, n_loops, device):
         acc[str(k)] = correct[k - 1].float().mean().item()
         resid[str(k)] = res_sum[k - 1].item() / len(x) if k > 1 else None
     # spectral radius of the loop map at a few depths, on 64 problems (power iteration)
-    rho = {}
     xb = x[:64].to(device)
-    states = model.loop_states(xb, n_loops)
-    with torch.enable_grad(), model.math_attention():
-        h0 = model.embed(xb).detach()
-        for k in sorted({1, 2, 4, 8, 16, 32, 64, 100, n_loops}):
-            if k <= n_loops:
-                step = stars.looplm_step_fn(model, h0) if k > 1 else lambda h: type(model).step(model, h, h0)
-                rho[str(k)] = stars.spectral_radius(step, h0 if k == 1 else states[k - 2], iters=10)
-    return {"accuracy": acc, "residual": resid, "rho": rho}
+    states, h0 = model.loop_states(xb, n_loops), model.embed(xb)
+    rho = {str(k): loop_map_rho(model, h0, k, states, iters=10)
+           for k in sorted({1, 2, 4, 8, 16, 32, 64, 100, n_loops}) if k <= n_loops}
+    return {"accuracy": acc, "residual": resid, "spectral_radius": rho}
+
+
+def loop_map_rho(model, h0, k, states, iters=10):
+    """ρ of ∂H_k/∂H_{k-1}, the loop map at loop k's input (H_0 for loop 1), by power iteration."""
+    h0 = h0.detach()
+    with torch.enable_grad():
+        if k == 1:
+            with model.math_attention():
+                return stars.spectral_radius(lambda h: type(model).step(model, h, h0, first=True), h0, iters=iters)
+        return stars.spectral_radius(stars.looplm_step_fn(model, h0), states[k - 2][:len(h0)], iters=iters)
 
 
 @torch.no_grad()
@@ -155,14 +160,10 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
     x, y = batches[0][0].to(device), batches[0][1].to(device)
     states = model.loop_states(x, K_eval)
     h0 = model.embed(x[:4])
-    # ρ(∂H_k/∂H_{k-1}) on 4 sequences: loop 1 maps H_0 through F alone, later loops through the carry too
-    first = lambda h: type(model).step(model, h, h0.detach())
     rows = []
     for k in range(1, K_eval + 1):
         s = norm_stats(torch.cat(norms[k - 1]))
-        with model.math_attention():
-            rho = (stars.spectral_radius(first, h0, iters=10) if k == 1 else
-                   stars.spectral_radius(stars.looplm_step_fn(model, h0), states[k - 2][:4], iters=10))
+        rho = loop_map_rho(model, h0, k, states, iters=10)  # ρ(∂H_k/∂H_{k-1}) on 4 sequences
         rows.append({"k": k, "ce": ce[k - 1], "ppl": math.exp(ce[k - 1]),
                      **({"ce_run_at_k": ce_run[k - 1]} if final_norm else {}),
                      **{f"norm_{n}": s[n] for n in ("mean", "median", "p99", "max", "std", "min")},
@@ -311,8 +312,9 @@ def compare_runs(dirs, out):
             a = rep["addition"]
             axes[0][1].plot([int(k) for k in a["accuracy"]], [100 * v for v in a["accuracy"].values()], label=name)
             fmt = lambda v, f: "n/a" if v is None else format(v, f)
+            rho = a.get("spectral_radius", a.get("rho", {}))  # ("rho" in reports of older versions)
             print(f"| {name} | " + " | ".join(fmt(100 * a["accuracy"][str(k)], ".1f") + "%" if str(k) in a["accuracy"] else "n/a"
-                                         for k in ks) + f" | {fmt(a['residual'].get('32'), '.2e')} | {fmt(a['rho'].get('32'), '.3f')} |")
+                                         for k in ks) + f" | {fmt(a['residual'].get('32'), '.2e')} | {fmt(rho.get('32'), '.3f')} |")
         axes[0][1].set(xlabel="loops at inference", ylabel="exact match (%)", xscale="log")
     else:
         print("| run | ‖H_K‖ mean | p99 | max | radial fraction | PPL K=1 | K=2 | K=3 | K=4 | ΔPPL 1→4 | clamp ΔCE | "

@@ -64,7 +64,7 @@ def prefill(model, ctx, n_loops):
     if ctx.size(1) > 0:
         h0 = h = model.embed(ctx, 0)
         for i, slot in enumerate(cache):
-            h = model.step(h if i == 0 else model.carry(h), h0, slot)
+            h = model.step(h, h0, slot, first=i == 0)
     return cache
 
 
@@ -90,7 +90,7 @@ def decode_token(model, tok, pos, cache, n_loops, exit=None, threshold=None):
                     new = prev[kv][:, :, -1:]
                     slot[kv] = torch.cat([slot[kv], new], 2) if kv in slot else new.clone()
             continue
-        h_new = model.step(h if i == 0 else model.carry(h), h0, cache[i])
+        h_new = model.step(h, h0, cache[i], first=i == 0)
         if done.any():  # the batch ran this loop for every row: undo it for the exited rows
             h_new = torch.where(done[:, None, None], h, h_new)
             for slot, prev in zip(cache[i], cache[i - 1]):

@@ -20,7 +20,7 @@ step (sample_loops), so the penalty meets the state at many depths.
 To use it on another model you need a function step(h) -> next h whose parameters require
 grad. Nothing else in the project is needed:
 
-    pen, rho = jsrr_penalty(step, h_last)
+    pen, jv_norm = jsrr_penalty(step, h_last)
     loss = stars_objective(task_loss, pen, lambda_at(it, 0.1, 2000))
 
 Attention caveat: the fused SDPA kernels have no forward-mode AD and no double backward.
@@ -101,32 +101,32 @@ def step_generator(seed, step):
     return torch.Generator().manual_seed(seed * 1_000_003 + step)
 
 
-def sample_loops(generator, kind="lognormal", mu=2.0, sigma=0.7, t_max=100, mean_loops=32, grad_loops=8):
+def sample_loops(generator, kind="lognormal", mu=2.0, sigma=0.7, loop_max=100, loop_mean=32, grad_loops=8):
     """Draw the depth of one training step: (n_loops, grad_loops), where grad_loops is None (the
     gradient flows through every loop) or b (truncated backprop through the last b loops only,
     LoopLM.loop_states(grad_loops=b)). Deterministic given the generator.
-    fixed:             (t_max, None): the baseline, always the same depth.
-    lognormal:         t = clip(round(LogNormal(mu, sigma)), 1, t_max). Paper B uses μ=2, σ=0.7,
-                       t_max=100 for addition and μ=1.7, σ=0.4, t_max=16 for the Ouro fine-tune.
-    poisson_lognormal: Huginn's sampler. τ ~ N(log r̄ − σ²/2, σ), so E[e^τ] = r̄ = mean_loops,
-                       t = min(Poisson(e^τ) + 1, t_max), gradient through the last grad_loops.
+    fixed:             (loop_max, None): the baseline, always the same depth.
+    lognormal:         t = clip(round(LogNormal(mu, sigma)), 1, loop_max). Paper B uses μ=2, σ=0.7,
+                       loop_max=100 for addition and μ=1.7, σ=0.4, loop_max=16 for the Ouro fine-tune.
+    poisson_lognormal: Huginn's sampler. τ ~ N(log r̄ − σ²/2, σ), so E[e^τ] = r̄ = loop_mean,
+                       t = min(Poisson(e^τ) + 1, loop_max), gradient through the last grad_loops.
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} is invalid; choose one of {', '.join(KINDS)}")
     if kind == "fixed":
-        return t_max, None
+        return loop_max, None
     z = torch.randn((), generator=generator, dtype=torch.float64).item()
     if kind == "lognormal":
-        return min(max(round(math.exp(mu + sigma * z)), 1), t_max), None
-    tau = math.log(mean_loops) - sigma**2 / 2 + sigma * z
-    t = min(int(torch.poisson(torch.tensor(math.exp(tau), dtype=torch.float64), generator=generator)) + 1, t_max)
+        return min(max(round(math.exp(mu + sigma * z)), 1), loop_max), None
+    tau = math.log(loop_mean) - sigma**2 / 2 + sigma * z
+    t = min(int(torch.poisson(torch.tensor(math.exp(tau), dtype=torch.float64), generator=generator)) + 1, loop_max)
     return t, min(t, grad_loops)
 
 
 # ---- glue for LoopLM (looplm.py) -----------------------------------------------------------
 def looplm_step_fn(model, h0):
-    """LoopLM's loop map as a function of the state alone: H_k -> H_{k+1} (with loop_norm, the
-    inter-loop norm is part of the map). h0 is the embedding, which the step adds when
+    """LoopLM's loop map as a function of the state alone: H_k -> H_{k+1} (with loop_norm the
+    inter-loop norm is part of the map: LoopLM.step carries the state in). h0 is the embedding, which the step adds when
     config.inject is on, and it is held fixed. The step always runs eagerly (the class's method,
     not a torch.compile'd model.step: compiled graphs have no double backward) with explicit
     attention, so jvp and double backward work even if the model's forward uses SDPA."""
@@ -134,7 +134,7 @@ def looplm_step_fn(model, h0):
 
     def step(h):
         with model.math_attention():
-            return type(model).step(model, model.carry(h), h0)
+            return type(model).step(model, h, h0)
     return step
 
 

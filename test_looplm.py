@@ -211,5 +211,6 @@ def test_loop_norm_sits_on_the_recurrent_path_only():
         for k in range(1, 4):
             nxt = m.carry(states[k - 1])
             assert torch.allclose(rms(nxt), torch.ones_like(rms(nxt)), atol=1e-4)  # the next loop's input is
-            assert torch.allclose(m.step(nxt, m.embed(idx)), states[k], atol=1e-5)
-        assert torch.allclose(states[0], m.step(m.embed(idx), m.embed(idx)), atol=1e-6)  # loop 1 takes H_0 as is
+            assert torch.allclose(m.step(states[k - 1], m.embed(idx)), states[k], atol=1e-5)  # step carries it in
+            assert torch.allclose(m.step(nxt, m.embed(idx), first=True), states[k], atol=1e-5)
+        assert torch.allclose(states[0], m.step(m.embed(idx), m.embed(idx), first=True), atol=1e-6)  # loop 1: H_0 as is

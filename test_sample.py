@@ -37,7 +37,7 @@ def test_sample_seed_and_cache_match_uncached_at_fixed_depth(one_thread):
     prompt = torch.randint(0, 61, (1, 5), generator=torch.Generator().manual_seed(2))
     run = lambda K, seed, cache: sample.generate(m, prompt, 40, K, temperature=1.0, top_k=30, use_cache=cache,
                                                  generator=torch.Generator().manual_seed(seed))
-    for K in (1, 3, 4, 7):  # 7: beyond n_loop; 5 + 40 tokens > block_size 32: the crop path runs too
+    for K in (1, 3, 4, 7):  # 7: beyond n_loops; 5 + 40 tokens > block_size 32: the crop path runs too
         cached, stats = run(K, 3, True)
         assert cached.shape == (1, 45) and stats["mean_loops"] == K and stats["loops"].shape == (1, 40)
         assert torch.equal(cached, run(K, 3, False)[0]), K

@@ -26,12 +26,12 @@ def test_stars_linear_step_known_spectrum():
     assert abs(stars.spectral_radius(f, h, generator=torch.Generator().manual_seed(2)) - 1.5) < 0.015
     # E‖Jv‖² = ‖A‖_F²/n for unit isotropic v: 4,000 draws in one batch
     H = torch.zeros(4000, 16, dtype=torch.float64)
-    pen, rho = stars.jsrr_penalty(f, H, generator=torch.Generator().manual_seed(3))
+    pen, jv_norm = stars.jsrr_penalty(f, H, generator=torch.Generator().manual_seed(3))
     assert abs(pen.item() / (A.pow(2).sum().item() / 16) - 1) < 0.05
-    assert rho.shape == (4000,) and torch.allclose(rho.pow(2).mean(), pen) and not rho.requires_grad
+    assert jv_norm.shape == (4000,) and torch.allclose(jv_norm.pow(2).mean(), pen) and not jv_norm.requires_grad
     # symmetric A: vᵀA = (Av)ᵀ, so the same v gives the same value in both modes
-    pen2, rho2 = stars.jsrr_penalty(f, H, mode="vjp", generator=torch.Generator().manual_seed(3))
-    assert torch.allclose(rho, rho2, rtol=1e-10) and torch.allclose(pen, pen2, rtol=1e-10)
+    pen2, jv_norm2 = stars.jsrr_penalty(f, H, mode="vjp", generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(jv_norm, jv_norm2, rtol=1e-10) and torch.allclose(pen, pen2, rtol=1e-10)
     # a rotating (complex) dominant pair, |λ| = 1.2: the geometric-mean estimate still finds it
     c, s = math.cos(1.0), math.sin(1.0)
     R = 1.2 * torch.tensor([[c, -s], [s, c]], dtype=torch.float64)
@@ -46,9 +46,9 @@ def test_stars_penalty_grad_reaches_every_block_parameter(mode):
     idx, _ = batch()
     h0 = m.embed(idx)
     h = m.loop_states(idx, 3)[-1]
-    pen, rho = stars.jsrr_penalty(stars.looplm_step_fn(m, h0), h, mode=mode, generator=torch.Generator().manual_seed(0))
+    pen, jv_norm = stars.jsrr_penalty(stars.looplm_step_fn(m, h0), h, mode=mode, generator=torch.Generator().manual_seed(0))
     pen.backward()
-    assert pen.item() > 0 and rho.shape == (3,)
+    assert pen.item() > 0 and jv_norm.shape == (3,)
     for name, p in m.blocks.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
     assert m.wte.weight.grad is None and m.wpe.weight.grad is None  # the input state and h0 are detached
@@ -85,25 +85,25 @@ def test_stars_penalty_alone_drives_rho_below_one():
 
 
 def test_stars_sample_loops_deterministic_and_exact_mean():
-    mu, sigma, t_max = 2.0, 0.7, 100
+    mu, sigma, loop_max = 2.0, 0.7, 100
     draw = lambda seed, n, **kw: [stars.sample_loops(stars.step_generator(seed, i), **kw) for i in range(n)]
     assert draw(7, 50) == draw(7, 50) and draw(7, 50) != draw(8, 50)
-    ts = [t for t, b in draw(0, 10_000, mu=mu, sigma=sigma, t_max=t_max)]
-    assert min(ts) >= 1 and max(ts) <= t_max and all(isinstance(t, int) for t in ts)
-    # exact mean of clip(round(LogNormal(μ, σ)), 1, t_max) from the lognormal CDF at the rounding boundaries
+    ts = [t for t, b in draw(0, 10_000, mu=mu, sigma=sigma, loop_max=loop_max)]
+    assert min(ts) >= 1 and max(ts) <= loop_max and all(isinstance(t, int) for t in ts)
+    # exact mean of clip(round(LogNormal(μ, σ)), 1, loop_max) from the lognormal CDF at the rounding boundaries
     cdf = lambda x: 0.5 * (1 + math.erf((math.log(x) - mu) / (sigma * math.sqrt(2))))
-    edges = [0.0] + [k + 0.5 for k in range(1, t_max)] + [math.inf]  # t = k  <=>  edges[k-1] <= X < edges[k]
+    edges = [0.0] + [k + 0.5 for k in range(1, loop_max)] + [math.inf]  # t = k  <=>  edges[k-1] <= X < edges[k]
     F_ = [0.0] + [cdf(e) for e in edges[1:-1]] + [1.0]
-    exact = sum(k * (F_[k] - F_[k - 1]) for k in range(1, t_max + 1))
+    exact = sum(k * (F_[k] - F_[k - 1]) for k in range(1, loop_max + 1))
     assert abs(sum(ts) / len(ts) / exact - 1) < 0.02, (sum(ts) / len(ts), exact)
-    assert stars.sample_loops(None, kind="fixed", t_max=4) == (4, None)
+    assert stars.sample_loops(None, kind="fixed", loop_max=4) == (4, None)
     assert all(b is None for _, b in draw(0, 10, mu=mu, sigma=sigma))
-    # Huginn: (t, b) with gradient through the last b = min(t, grad_loops) loops, E[t] = mean_loops + 1
-    splits = draw(1, 2000, kind="poisson_lognormal", sigma=0.5, mean_loops=32, grad_loops=8, t_max=1000)
+    # Huginn: (t, b) with gradient through the last b = min(t, grad_loops) loops, E[t] = loop_mean + 1
+    splits = draw(1, 2000, kind="poisson_lognormal", sigma=0.5, loop_mean=32, grad_loops=8, loop_max=1000)
     for t, b in splits:
         assert 1 <= b <= 8 and t >= b and (t == b or b == 8)
     assert abs(sum(t for t, _ in splits) / len(splits) / 33 - 1) < 0.05
-    assert max(t for t, _ in draw(2, 500, kind="poisson_lognormal", mean_loops=32, t_max=40)) == 40
+    assert max(t for t, _ in draw(2, 500, kind="poisson_lognormal", loop_mean=32, loop_max=40)) == 40
 
 
 @pytest.mark.parametrize("mode", ["jvp", "vjp"])

@@ -202,12 +202,10 @@ def test_train_two_process_gloo_ddp_keeps_ranks_identical(train_data_args, tmp_p
     ws = report.load_checkpoint(single)["model"]
     assert not torch.allclose(ws["wte.weight"], w0["wte.weight"])
 
+
 # bad input -> (exit code, a piece of the one-line message). Every case runs with --out_dir {dir}, a copy of
-
 # trained_run (ckpt.pt, log.jsonl, report.json, plots), unless it names another; {file}: a regular file,
-
 # {empty}: a blank text file, {short}: 96 bytes of text, {empty_dir}: an empty folder.
-
 TRAIN_BAD_INPUTS = {
     "unknown option": (["--bogus", "1"], 2, "unknown option --bogus"),
     "wrong type": (["--n_embd", "wide"], 2, "--n_embd expects int, got 'wide'"),
@@ -223,6 +221,8 @@ TRAIN_BAD_INPUTS = {
     "max_iters below the checkpoint": (["--init_from", "resume", "--max_iters", "3"], 2,
                                        "nothing to train: the run is at step 6 and --max_iters is 3"),
     "unsupported device": (["--device", "meta"], 2, "--device meta is not supported"),
+    "width not divisible by heads": (["--n_embd", "30"], 2, "--n_embd 30 is not divisible by --n_head 4"),
+    "resume, another task": (["--init_from", "resume", "--task", "addition"], 2, "is not the checkpoint's"),
     "negative norm_penalty": (["--norm_penalty", "-1"], 2, "--norm_penalty -1.0 is invalid; it must be >= 0.0"),
     "eval_only from scratch": (["--eval_only"], 2, "--eval_only needs --init_from resume"),
     "resume, no checkpoint": (["--init_from", "resume", "--out_dir", "{empty_dir}"], 1, "no checkpoint at"),

@@ -26,7 +26,7 @@ import torch
 import data
 import report
 import stars
-from configurator import RunError, UsageError, check, parse, setting
+from configurator import RENAMED, RunError, UsageError, check, parse, setting
 from looplm import LoopLM, LoopLMConfig, token_norms
 
 
@@ -135,19 +135,21 @@ def setup_device(cfg):
         torch.distributed.init_process_group("nccl" if "cuda" in device else "gloo")
         if "cuda" in device:
             device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if "cuda" in device else "float32")
     if "cuda" in device:
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.cuda.set_device(device)  # cuda:N without torchrun too: synchronize and memory counters follow it
+        # fp32 matmuls (evaluation, diagnostics) on TF32 units, unless float32 was asked for explicitly
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.dtype != "float32"
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if "cuda" in device else "float32")
     ctx = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
-    return device, ctx, rank, world
+    return device, dtype, ctx, rank, world
 
 
 def resume_settings(cfg, model_args, given, ckpt):
     """The checkpoint's settings, overridden by those given on this command line."""
-    saved, saved_model = ckpt["config"], LoopLMConfig.from_dict(ckpt["model_args"])
+    saved = {RENAMED.get(k) or k: v for k, v in ckpt["config"].items()}  # checkpoints of older versions
+    saved_model = LoopLMConfig.from_dict(ckpt["model_args"])
     names = {f.name for f in fields(TrainConfig)}
     cfg = TrainConfig(**{**{k: v for k, v in saved.items() if k in names}, **{k: getattr(cfg, k) for k in given if k in names},
                          "init_from": "resume", "eval_only": cfg.eval_only, "out_dir": cfg.out_dir})
@@ -170,16 +172,17 @@ def load_data(cfg, model_args, ckpt):
             raise UsageError(f"--digits {cfg.digits} needs block_size {need}, more than the checkpoint's "
                              f"{model_args['block_size']}")
         heldout = data.addition_heldout(cfg.digits, cfg.eval_problems, cfg.seed)[2].numpy()
-        return None, None, heldout, {"kind": "addition"}
-    train_data, val_data, meta = data.prepare_data(cfg)
-    for split, d in (("training", train_data), ("validation", val_data)):
-        if len(d) <= model_args["block_size"] + 1:  # fail now, not after training at the first eval
-            raise RunError(f"the {split} split has {len(d)} tokens, fewer than block_size+1="
-                           f"{model_args['block_size'] + 1}; use more text or a smaller --block_size")
+        train_data, val_data, meta = None, None, {"kind": "addition"}
+    else:
+        heldout, (train_data, val_data, meta) = None, data.prepare_data(cfg)
+        for split, d in (("training", train_data), ("validation", val_data)):
+            if len(d) <= model_args["block_size"] + 1:  # fail now, not after training at the first eval
+                raise RunError(f"the {split} split has {len(d)} tokens, fewer than block_size+1="
+                               f"{model_args['block_size'] + 1}; use more text or a smaller --block_size")
     if ckpt is not None and {**ckpt["tokenizer"], "dtype": None} != {**meta, "dtype": None}:
         raise UsageError(f"the data's tokenizer ({meta['kind']}) is not the checkpoint's ({ckpt['tokenizer']['kind']}, "
                          "or a regex vocabulary fit on other text): token ids would not match the weights")
-    return train_data, val_data, None, meta
+    return train_data, val_data, heldout, meta
 
 
 def build_model(cfg, mcfg, device, ckpt):
@@ -240,8 +243,8 @@ def train(cfg, run, model, optimizer):
             # The depth comes from (seed, step) alone: every rank runs the same depth.
             torch.manual_seed(cfg.seed * 1_000_003 + it * 1009 + run.rank)  # dropout
             g = stars.step_generator(cfg.seed, it)
-            t_max = cfg.loop_max if cfg.loop_sampling != "fixed" else model.config.n_loops
-            n_loops, grad_loops = stars.sample_loops(g, cfg.loop_sampling, cfg.loop_mu, cfg.loop_sigma, t_max,
+            loop_max = cfg.loop_max if cfg.loop_sampling != "fixed" else model.config.n_loops
+            n_loops, grad_loops = stars.sample_loops(g, cfg.loop_sampling, cfg.loop_mu, cfg.loop_sigma, loop_max,
                                                      cfg.loop_mean, cfg.grad_loops)
             if run.rank:  # each rank its own batches
                 g = stars.step_generator(cfg.seed + 7919 * run.rank, it)
@@ -350,19 +353,19 @@ def trim_log(out_dir, iter_num):
         data.atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
-class Run:
+class RunState:
     """The state of a run that the loop, the checkpoints and the log share."""
 
     def __init__(self, **kw):
         self.__dict__.update(kw)
 
 
-def run(cfg, model_args, given):
+def start(cfg, model_args, given):
     if cfg.compare:
         os.makedirs(cfg.out_dir, exist_ok=True)
         print("wrote " + ", ".join(report.compare_runs([d for d in cfg.compare.split(",") if d], cfg.out_dir)))
         return 0
-    device, ctx, rank, world = setup_device(cfg)
+    device, dtype, ctx, rank, world = setup_device(cfg)
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)
         probe = os.path.join(cfg.out_dir, f".write_test{rank}")
@@ -383,14 +386,14 @@ def run(cfg, model_args, given):
         per_epoch = (data.n_windows(len(train_data), mcfg.block_size, cfg.window_stride) * mcfg.block_size
                      if cfg.window_stride else len(train_data))
         max_iters = math.ceil(cfg.epochs * per_epoch / tokens_per_iter)
-    run = Run(device=device, ctx=ctx, rank=rank, world=world, master=rank == 0, train_data=train_data,
+    run = RunState(device=device, ctx=ctx, rank=rank, world=world, master=rank == 0, train_data=train_data,
               val_data=val_data, heldout=heldout, meta=meta, block_size=mcfg.block_size, ckpt_path=ckpt_path,
               tokens_per_iter=tokens_per_iter, max_iters=max_iters, iter_num=ckpt["iter_num"] if ckpt else 0,
               best_val=ckpt["best_val_loss"] if ckpt else float("inf"), last_saved=ckpt_path if ckpt else None)
     if run.master:
         print(f"{model.num_params():,} parameters (shared stack counted once) | {mcfg.n_layer} layers x "
               f"{mcfg.n_loops} loops | readout={mcfg.readout} per_loop_ce={mcfg.per_loop_ce} init={mcfg.init} | "
-              f"{tokens_per_iter:,} tokens/step | {max_iters} steps | device {device} {cfg.dtype}")
+              f"{tokens_per_iter:,} tokens/step | {max_iters} steps | device {device} {dtype}")
     try:
         if cfg.eval_only:
             if run.master:
@@ -412,6 +415,7 @@ def run(cfg, model_args, given):
         from sample import generate
         tok = data.get_tokenizer(meta)
         model.eval()
+        vars(model).pop("step", None)  # decode eagerly: the KV cache changes shape every token (no recompiles)
         x = torch.tensor([tok.encode("\n")], device=device)
         y, _ = generate(model, x, cfg.sample_tokens, mcfg.n_loops, temperature=0.8, top_k=None)
         print("sample:", tok.decode(y[0, 1:].tolist()))
@@ -420,7 +424,7 @@ def run(cfg, model_args, given):
 
 def main(argv=None):
     try:
-        return run(*settings(sys.argv[1:] if argv is None else argv))
+        return start(*settings(sys.argv[1:] if argv is None else argv))
     except UsageError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
