@@ -111,7 +111,10 @@ def load_hub(dataset, train_split="train"):
     try:
         import datasets
         ds = datasets.load_dataset("Salesforce/wikitext", name)
-        return "".join(ds[train_split]["text"]), "".join(ds["validation"]["text"])
+        # the hub keeps the files' lines as rows, their blank lines (" \n") as empty rows: put those back,
+        # so that the text is the files' text, byte for byte
+        text = lambda split: "".join(row or " \n" for row in ds[split]["text"])
+        return text(train_split), text("validation")
     except Exception as e:
         raise RunError(f"cannot load {title} from the Hugging Face hub ({type(e).__name__}); offline? use "
                        "--dataset wikitext2 --data_dir DIR (a folder of WikiText-2 files), --dataset text "

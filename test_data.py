@@ -113,13 +113,13 @@ def test_windows_batch_walks_paper_a_epochs():
 def test_wikitext2_comes_from_the_hub_by_name_in_the_release_of_the_local_files(monkeypatch, tmp_path):
     datasets = pytest.importorskip("datasets")
     asked = []
-    fake = {s: {"text": [f" {s} line\n"]} for s in ("train", "validation", "test")}
+    fake = {s: {"text": ["", f" {s} line \n", ""]} for s in ("train", "validation", "test")}  # as the hub stores them
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: asked.append(a) or fake)
     monkeypatch.setattr(data, "reachable", lambda *a, **k: True)
     cfg = train.TrainConfig(dataset="wikitext2", train_split="test", tokenizer="bytes", cache_dir=str(tmp_path))
     tr, va, _ = data.prepare_data(cfg)
     assert asked == [("Salesforce/wikitext", "wikitext-2-v1")]  # the tokenized release: <unk>, as wiki.*.tokens
-    assert bytes(tr.tolist()) == b" test line\n" and bytes(va.tolist()) == b" validation line\n"
+    assert bytes(tr.tolist()) == b" \n test line \n \n" and bytes(va.tolist()) == b" \n validation line \n \n"
 
 
 @pytest.mark.slow

@@ -191,3 +191,12 @@ def test_sample_answers_addition_after_training(tmp_path, one_thread, capsys):
     x, y = sample.eval_data(ckpt, model, 100)
     fixed = sample.adaptive_eval(sample.loop_table(model, x, y, 2, "max_prob"), "max_prob", 2.0)[0]
     assert abs(sample.decode_forced(model, x, y, 2)["exact"] - fixed["exact"]) < 1e-6 and fixed["exact"] >= 0.8
+
+
+@pytest.mark.parametrize("variant", [dict(loop_norm=True, init="pytorch"), dict(inject=True, block_norm="sandwich")])
+def test_cached_generation_carries_the_state_as_loop_states_does(variant, one_thread):
+    # the KV-cached path runs LoopLM.step loop by loop: the inter-loop norm and the injection must match
+    m = tiny(**variant)
+    x = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(0))
+    cached, _ = sample.generate(m, x, 12, 4, temperature=0)
+    assert torch.equal(cached, sample.generate(m, x, 12, 4, temperature=0, use_cache=False)[0])
