@@ -1,4 +1,5 @@
-# The quick start: a looped LM on real text in ~4 minutes on 2 CPU cores (4m10s measured), no download.
+# The quick start: a looped LM on real text in 5m33s on 2 CPU cores (measured), no download. With the default
+# (Paper A's) init and the norm readout, its ‖H_K‖ already runs to ~600: the blind spot, in five minutes.
 # python train.py config/cpu_tiny.py  (add --readout raw, --norm_penalty 0.01, ... to compare)
 dataset = "pydoc"             # the Python docs that ship with CPython
 tokenizer = "bytes"
