@@ -145,7 +145,8 @@ def prepare_data(cfg):
     Returns (train_tokens, val_tokens, tokenizer_meta)."""
     if isinstance(cfg, dict):  # a checkpoint's settings (sample.py)
         names = ("dataset", "data_dir", "data_files", "tokenizer", "cache_dir", "train_split")
-        cfg = namedtuple("DataSettings", names)(*(cfg.get(k) or {"train_split": "train"}.get(k, "") for k in names))
+        defaults = {"data_dir": "", "data_files": "", "train_split": "train", "cache_dir": "data_cache"}
+        cfg = namedtuple("DataSettings", names)(**{**defaults, **{k: v for k, v in cfg.items() if k in names}})
     src = {"wikitext2": cfg.data_dir, "text": cfg.data_files}.get(cfg.dataset, "")
     stamp = [(os.path.abspath(p), os.path.getsize(p), int(os.path.getmtime(p)))
              for p in src.split(",") if p and os.path.isfile(p)] if cfg.dataset == "text" else src

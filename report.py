@@ -152,7 +152,8 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
             for k in range(1, K_eval + 1):
                 lk = lambda s, K: F.cross_entropy(model.readout(s[k - 1], k, K).float().flatten(0, 1), y.flatten())
                 ce[k - 1] += lk(states, max(k, K_train)).item() / len(batches)
-                ce_run[k - 1] += lk(states, k).item() / len(batches)
+                if final_norm and k < K_train:  # the only case where the run at depth k reads out differently
+                    ce_run[k - 1] += lk(states, k).item() / len(batches)
                 ce_clamp[k - 1] += lk(clamped, max(k, K_train)).item() / len(batches)
                 norms[k - 1].append(token_norms(states[k - 1]).cpu())
                 if k > 1:
@@ -165,7 +166,7 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
         s = norm_stats(torch.cat(norms[k - 1]))
         rho = loop_map_rho(model, h0, k, states, iters=10)  # ρ(∂H_k/∂H_{k-1}) on 4 sequences
         rows.append({"k": k, "ce": ce[k - 1], "ppl": math.exp(ce[k - 1]),
-                     **({"ce_run_at_k": ce_run[k - 1]} if final_norm else {}),
+                     **({"ce_run_at_k": ce_run[k - 1] if k < K_train else ce[k - 1]} if final_norm else {}),
                      **{f"norm_{n}": s[n] for n in ("mean", "median", "p99", "max", "std", "min")},
                      "radial_fraction": radial_fraction(model, states[k - 1], y, k, max(k, K_train)),
                      "fixed_point_residual": res[k - 1] if k > 1 else None,
