@@ -9,8 +9,8 @@ bench.py: what a looped LM costs. K loops should cost K ordinary passes, and not
 Per shape, every figure comes from one process, one batch (B, T) and one model config (terminal CE
 unless --per_loop_ce, which adds K - 1 readouts that the unrolled model does not have):
   loop_vs_unrolled  training tokens/s of LoopLM(n_layer=L, K loops) / LoopLM(n_layer=L*K, 1 loop): equal FLOPs
-  mfu               training FLOP/s (train_flops) / peak: the best float32 torch.mm at the model's largest
-                    shapes (matmul_peak) on CPU, the bf16 peak (--peak_flops, default H100/H200) on CUDA
+  mfu               training FLOP/s (train_flops) / peak: the best torch.mm measured on this device
+                    (matmul_peak: float32 on CPU, bfloat16 on CUDA), or --peak_flops
   stars_overhead    step time with the STARS Jacobian penalty at the last loop / step time without;
                     stars_overhead_rows: the penalty on the first --stars_rows sequences only (train.py --stars_rows)
   eval_tps_k*       inference tokens/s of a forward at depth k (ideal: proportional to 1/k); gen_tps_*:
@@ -23,7 +23,6 @@ unless --per_loop_ce, which adds K - 1 readouts that the unrolled model does not
 Timings are medians of --reps calls after --warmup calls. Configurations that are compared run in
 turn, step by step (a, b, c, a, b, c, ...), so a noisy shared machine slows them alike.
 """
-import argparse
 import ctypes
 import json
 import os
@@ -33,10 +32,12 @@ import subprocess
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
 import stars
+from configurator import QuietPipe, RunError, UsageError, check, parse, setting
 from looplm import LoopLM, LoopLMConfig
 
 SHAPES = {  # model and batch; dropout 0 as in nanoGPT's bench.py. "tiny" is config/cpu_tiny.py (bytes)
@@ -113,14 +114,18 @@ def train_flops(model, K, B, T):
 
 
 def matmul_peak(model, B, T, device, reps=5):
-    """Best float32 FLOP/s of torch.mm at the model's largest shapes: (B*T, d) x (d, MLP fc width)
-    and (B*T, d) x (d, V); the best of reps calls after one warm-up call."""
+    """Best FLOP/s of torch.mm at the model's largest shapes, (B*T, d) x (d, MLP fc width) and
+    (B*T, d) x (d, V), and on CUDA a large square one, 8192³, which reaches the device's peak: float32
+    on CPU, bfloat16 on CUDA (what autocast runs the model's matmuls in). The best of reps
+    calls after one warm-up call."""
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     d, best = model.config.n_embd, 0.0
-    for n in (model.blocks[0].mlp.c_fc.out_features, model.config.vocab_size):
-        a, b = torch.randn(B * T, d, device=device), torch.randn(d, n, device=device)
+    sizes = [(B * T, d, model.blocks[0].mlp.c_fc.out_features), (B * T, d, model.config.vocab_size)]
+    for m, k, n in sizes + ([(8192, 8192, 8192)] if device.startswith("cuda") else []):
+        a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
         torch.mm(a, b)
         t = min(timed(lambda: torch.mm(a, b), device) for _ in range(reps))
-        best = max(best, 2 * B * T * d * n / t)
+        best = max(best, 2 * m * k * n / t)
     return best
 
 
@@ -216,7 +221,7 @@ def bench(args, shape, device):
     B, T, K, L = shape["batch_size"], loop.config.block_size, loop.config.n_loops, loop.config.n_layer
     unrolled, unrolled_opt = make_model(args, shape, device, n_layer=L * K, n_loops=1)
     X, Y = torch.randint(0, loop.config.vocab_size, (2, B, T), device=device)
-    peak = args.peak_flops or (989e12 if device.startswith("cuda") else matmul_peak(loop, B, T, device))
+    peak = args.peak_flops or matmul_peak(loop, B, T, device)
     steps = [lambda: train_step(loop, loop_opt, X, Y, K, ctx),
              lambda: train_step(unrolled, unrolled_opt, X, Y, 1, ctx),
              lambda: train_step(loop, loop_opt, X, Y, K, ctx, lam=0.1, mode=args.stars_mode),
@@ -224,7 +229,7 @@ def bench(args, shape, device):
                                 rows=args.stars_rows or max(1, B // 4))]
     t_loop, t_unrolled, t_stars, t_rows = interleaved(steps, args.warmup, args.reps, device)
     del unrolled, unrolled_opt
-    if device == "cpu" and not args.peak_flops:  # measured again after the steps; the best counts
+    if not args.peak_flops:  # measured again after the steps (a warm machine); the best counts
         peak = max(peak, matmul_peak(loop, B, T, device))
     flops = train_flops(loop, K, B, T)
     res = dict(loop_vs_unrolled=t_unrolled / t_loop, mfu=flops / t_loop / peak, stars_overhead=t_stars / t_loop,
@@ -234,41 +239,121 @@ def bench(args, shape, device):
     if args.profile:
         res.update(profile_steps([steps[0], steps[2]], ["plain step", "STARS step"], flops, peak, device))
     res.update(eval_throughput(loop, X, K, ctx, args, device))
-    if not args.no_memory:
+    if args.memory:
         res.update(memory_runs(args, shape, device))
     return res
 
 
+def gpu_check(args):
+    """python bench.py --gpu_check: everything a first GPU session should measure, in one command
+    (under 10 minutes on one H100/H200), with one JSON summary (--check_out) and a table:
+      tests      the test suite (python -m pytest -q), on the GPU machine
+      bench      the 44M shape, bf16 autocast + torch.compile, per-loop CE: mfu against the measured
+                 bf16 peak, loop_vs_unrolled, stars_overhead, memory
+      lm_44m     200 steps of config/wikitext103_44m.py with bf16 + compile (offline: the Python docs,
+                 Paper A's regex tokenizer), tokens/s and loss from its log
+      addition   200 steps of config/addition.py with STARS from step 0 and Paper B's depth sampling
+      torchrun   the same 44M run on 2 processes, if the machine has 2 GPUs
+    --dry: the same code path on CPU at tiny shapes and a few steps (what the test suite runs)."""
+    import shutil
+    import tempfile
+    dry, dev = args.dry, ("cpu" if args.dry else "cuda")
+    if not dry and not torch.cuda.is_available():
+        raise RunError("--gpu_check needs a CUDA GPU; use --gpu_check --dry to run its code path on CPU")
+    here, tmp = os.path.dirname(os.path.abspath(__file__)), tempfile.mkdtemp(prefix="looplm_check_")
+    summary = {"device": torch.cuda.get_device_name() if not dry else "cpu (dry run)", "torch": torch.__version__,
+               "gpus": torch.cuda.device_count()}
+
+    def run(name, cmd, timeout):
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, cwd=here, capture_output=True, text=True, timeout=timeout)
+        summary[name] = {"rc": r.returncode, "seconds": round(time.perf_counter() - t0, 1),
+                         "tail": [x for x in (r.stdout + r.stderr).strip().splitlines() if x.strip("* ")][-3:]}
+        print(f"{name:<10} rc {r.returncode}  {summary[name]['seconds']:7.1f} s  {summary[name]['tail'][-1:]}", flush=True)
+        return r.returncode == 0
+
+    def train_run(name, preset, extra, nproc=1):
+        out = os.path.join(tmp, name)
+        launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                      "--nproc_per_node", str(nproc)]
+        if run(name, launch + ["train.py", preset, "--device", dev, "--out_dir", out] + extra, 900):
+            rows = [json.loads(line) for line in open(os.path.join(out, "log.jsonl")) if '"loss"' in line]
+            summary[name].update(final_loss=rows[-1]["loss"], tokens_per_s=statistics.median(
+                r["tokens_per_s"] for r in rows[len(rows) // 2:] if r["tokens_per_s"]))
+    steps = ["--epochs", "0", "--max_iters", "6" if dry else "200", "--log_interval", "2" if dry else "20"]
+    tiny = ["--n_layer", "1", "--n_embd", "32", "--n_head", "4", "--batch_size", "4"] if dry else []
+    run("tests", [sys.executable, "-m", "pytest", "-q", "-x"] + (["test_bench.py", "-m", "not slow"] if dry else []), 900)
+    shape = dict(SHAPES["quick" if dry else "44m"], batch_size=args.batch_size or (4 if dry else 64))
+    b_args = parse_args(["--device", dev, "--per_loop_ce"] + (["--warmup", "1", "--reps", "2", "--no_memory"] if dry
+                                                              else ["--compile", "--reps", "10"]))
+    t0 = time.perf_counter()
+    summary["bench"] = dict(bench(b_args, shape, dev), seconds=round(time.perf_counter() - t0, 1))
+    print(f"bench      mfu {summary['bench']['mfu']:.3f}  loop/unrolled {summary['bench']['loop_vs_unrolled']:.3f}  "
+          f"stars {summary['bench']['stars_overhead']:.2f}x", flush=True)
+    lm = ["--dataset", "pydoc", "--tokenizer", "bytes" if dry else "regex", "--eval_interval", "1000", "--eval_iters", "2",
+          "--cache_dir", os.path.join(tmp, "cache")] + ([] if dry else ["--compile"])
+    train_run("lm_44m", "config/wikitext103_44m.py", lm + steps + tiny + (["--block_size", "32"] if dry else []))
+    train_run("addition", "config/addition.py", ["--stars_lambda", "0.1", "--stars_warmup", "0", "--loop_sampling",
+              "lognormal", "--eval_interval", "1000", "--eval_loops", "4" if dry else "16", "--eval_problems", "100"]
+              + steps + tiny + (["--loop_max", "4"] if dry else []))
+    if dry or torch.cuda.device_count() >= 2:
+        train_run("torchrun", "config/wikitext103_44m.py", lm + steps + tiny + (["--block_size", "32"] if dry else []), nproc=2)
+    with open(args.check_out, "w") as f:
+        json.dump(summary, f, indent=1)
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"wrote {args.check_out}")
+    return 0 if all(v.get("rc", 0) == 0 for v in summary.values() if isinstance(v, dict)) else 1
+
+
+@dataclass
+class BenchConfig:
+    """benchmark (bench.py)"""
+    shape: str = setting("", f"comma-separated, of {', '.join(SHAPES)} (default: 44m,tiny on CPU, 44m on CUDA, quick "
+                             "with --quick)")
+    quick: bool = setting(False, "smoke run: the quick shape, 1 thread, 1 warm-up call, 3 timed")
+    device: str = setting("cpu", "cpu | cuda | cuda:N")
+    batch_size: int = setting(0, "override the shape's batch size (0: the shape's)", lo=0, hi=1_000_000)
+    warmup: int = setting(2, "untimed calls per configuration", lo=0, hi=1000)
+    reps: int = setting(5, "timed calls per configuration (the median is reported)", lo=1, hi=1000)
+    peak_flops: float = setting(0.0, "peak FLOP/s for mfu (0: measured, the best torch.mm at the model's shapes and a "
+                                     "large square one; float32 on CPU, bfloat16 on CUDA)", lo=0.0, hi=1e18)
+    per_loop_ce: bool = setting(False, "train on mean_k CE_k as config/*.py do (default: CE_K, so that the looped "
+                                       "and the unrolled model have equal FLOPs)")
+    stars_mode: str = setting("vjp", "how the STARS penalty gets Jv (vjp: train.py's default)", choices=stars.MODES)
+    stars_rows: int = setting(0, "stars_overhead_rows: the penalty on the first N sequences only (0: a quarter of "
+                                 "the batch)", lo=0, hi=65536)
+    grad_loops: int = setting(2, "loops with gradient in the truncated-backprop run", lo=1, hi=100_000)
+    mem_loops: str = setting("4,8,16", "loop counts K of the memory runs (comma-separated)")
+    memory: bool = setting(True, "the memory runs (--no_memory: skip them)")
+    compile: bool = setting(False, "torch.compile model.step, as train.py --compile")
+    profile: bool = setting(False, "CPU: where a step's time goes (kernel_share, mfu_bound, and the top ops on stderr)")
+    tune_malloc: bool = setting(True, "keep freed memory in glibc's heap (--no_tune_malloc: glibc's defaults; see "
+                                      "tune_malloc)")
+    threads: int = setting(0, "torch threads on CPU (0: torch's choice)", lo=0, hi=4096)
+    clock: str = setting("wall", "wall: seconds | cpu: CPU seconds of this process, blind to other processes on a "
+                                 "shared machine (needs --threads 1)", choices=("wall", "cpu"))
+    json: bool = setting(False, "print one JSON object instead of the table")
+    gpu_check: bool = setting(False, "the one-command GPU check (gpu_check below); with --dry, the same on CPU at "
+                                     "tiny shapes")
+    dry: bool = setting(False, "--gpu_check on CPU, tiny shapes, a few steps: the code path without a GPU")
+    check_out: str = setting("gpu_check.json", "where --gpu_check writes its summary")
+    _memory: str = setting("", None)  # internal: the CPU memory child
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default=None, help=f"comma-separated, of {', '.join(SHAPES)} "
-                   "(default: 44m,tiny on CPU, 44m on CUDA, quick with --quick)")
-    p.add_argument("--quick", action="store_true", help="smoke run: the quick shape, 1 thread, 1 warm-up call, 3 timed")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--batch_size", type=int, default=0, help="override the shape's batch size")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls per configuration")
-    p.add_argument("--reps", type=int, default=5, help="timed calls per configuration (the median is reported)")
-    p.add_argument("--peak_flops", type=float, default=0.0, help="peak FLOP/s for mfu (default: measured on CPU, "
-                   "989e12 = H100/H200 dense bf16 on CUDA)")
-    p.add_argument("--per_loop_ce", action="store_true", help="train on mean_k CE_k as config/*.py do (default: "
-                   "CE_K, so that the looped and the unrolled model have equal FLOPs)")
-    p.add_argument("--stars_mode", default="vjp", choices=stars.MODES,
-                   help="how the STARS penalty gets Jv (vjp: train.py's default)")
-    p.add_argument("--stars_rows", type=int, default=0, help="stars_overhead_rows: the penalty on the first N "
-                   "sequences only (default: a quarter of the batch)")
-    p.add_argument("--grad_loops", type=int, default=2, help="loops with gradient in the truncated-backprop run")
-    p.add_argument("--mem_loops", default="4,8,16", help="loop counts K of the memory runs")
-    p.add_argument("--no_memory", action="store_true", help="skip the memory runs")
-    p.add_argument("--compile", action="store_true", help="torch.compile model.step, as train.py --compile")
-    p.add_argument("--profile", action="store_true", help="CPU: where a step's time goes (kernel_share, mfu_bound, "
-                   "and the top ops on stderr)")
-    p.add_argument("--no_tune_malloc", action="store_true", help="keep glibc's malloc defaults (see tune_malloc)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads on CPU (default: torch's choice)")
-    p.add_argument("--clock", default="wall", choices=("wall", "cpu"), help="wall: seconds; cpu: CPU seconds of "
-                   "this process, blind to other processes on a shared machine (needs --threads 1)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--_memory", default=None, help=argparse.SUPPRESS)  # internal: the CPU memory child
-    return p.parse_args(argv)
+    values, _ = parse(sys.argv[1:] if argv is None else argv, (BenchConfig,), __doc__)
+    args = BenchConfig(**values)
+    check(args)
+    for name in filter(None, args.shape.split(",")):
+        if name not in SHAPES:
+            raise UsageError(f"--shape {name!r} is unknown; choose among {', '.join(SHAPES)}")
+    if not re.fullmatch(r"\d+(,\d+)*", args.mem_loops) or 0 in map(int, args.mem_loops.split(",")):
+        raise UsageError(f"--mem_loops {args.mem_loops!r} is invalid; give loop counts >= 1, e.g. 4,8,16")
+    if args.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", args.device):
+        raise UsageError(f"--device {args.device} is not supported; use cpu, cuda or cuda:N")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise RunError(f"--device {args.device} but CUDA is not available; use --device cpu")
+    return args
 
 
 def main(argv=None):
@@ -278,22 +363,24 @@ def main(argv=None):
         args.warmup, args.reps, args.threads = 1, 3, args.threads or 1
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.gpu_check:
+        return gpu_check(args)
     if args._memory:
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: allocations over 1 MiB get their own map
         shape = json.loads(args._memory)
         memory_one(args, shape, "cpu", 1, "plain")  # a first step pays the one-time allocations
         return print(json.dumps(memory_runs(args, shape, "cpu", child=True)))
     if args.profile and args.device != "cpu":
-        sys.exit("--profile measures CPU time per op: use it on CPU (on a GPU, see torch.profiler's CUDA activity)")
+        raise UsageError("--profile measures CPU time per op: use it on CPU (on a GPU, see torch.profiler's CUDA activity)")
     if args.clock == "cpu":
         if torch.get_num_threads() != 1 or args.device != "cpu":
-            sys.exit("--clock cpu adds up the CPU time of all threads: use it with --threads 1 on CPU")
+            raise UsageError("--clock cpu adds up the CPU time of all threads: use it with --threads 1 on CPU")
         CLOCK = time.process_time
     cuda = args.device.startswith("cuda")
     names = (args.shape or ("quick" if args.quick else "44m" if cuda else "44m,tiny")).split(",")
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    tuned = not cuda and not args.no_tune_malloc and tune_malloc()
+    tuned = not cuda and args.tune_malloc and tune_malloc()
     load0 = os.getloadavg()[0]
     results = {s: bench(args, dict(SHAPES[s], batch_size=args.batch_size or SHAPES[s]["batch_size"]), args.device)
                for s in names}
@@ -319,5 +406,20 @@ def main(argv=None):
         print(row)
 
 
+def cli(argv=None):
+    sys.stdout = QuietPipe(sys.stdout) if not isinstance(sys.stdout, QuietPipe) else sys.stdout  # | head
+    try:
+        return main(argv) or 0
+    except UsageError as e:
+        print(f"bench.py: error: {e}", file=sys.stderr)
+        return 2
+    except RunError as e:
+        print(f"bench.py: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench.py: interrupted", file=sys.stderr)
+        return 130
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

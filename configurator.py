@@ -24,10 +24,16 @@ class RunError(Exception):
     """The run cannot go on (missing file, offline, bad checkpoint): one line, exit 1."""
 
 
-def setting(default, help, choices=None, lo=None, hi=None, above=None):
+def setting(default, help, choices=None, lo=None, hi=None, above=None, type=None):
     """A dataclass field with its help and its valid values: choices, or lo <= value <= hi
-    (above: value > above). Floats must also be finite."""
-    return field(default=default, metadata=dict(help=help, choices=choices, lo=lo, hi=hi, above=above))
+    (above: value > above). Floats must also be finite. A default of None means "decided later"
+    (the help says by what); then type names the type a given value must have."""
+    return field(default=default, metadata=dict(help=help, choices=choices, lo=lo, hi=hi, above=above,
+                                                type=type or builtins_type(default)))
+
+
+def builtins_type(default):
+    return None if default is None else type(default)
 
 
 # options that were renamed: the old name gives one line naming the new one
@@ -41,7 +47,9 @@ def check(obj, only=None):
         if only is not None and f.name not in only:
             continue
         v, m = getattr(obj, f.name), f.metadata
-        typ = type(f.default) if f.default is not MISSING else None
+        typ = m.get("type") if f.default is not MISSING else None
+        if v is None and f.default is None:
+            continue
         if typ is float and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)
             setattr(obj, f.name, v)
@@ -65,7 +73,7 @@ def valid_range(m):
 
 def coerce(name, v, f):
     """A value from the command line (a string) or a config file, as the field's type."""
-    typ = type(f.default)
+    typ = f.metadata.get("type") or type(f.default)
     if isinstance(v, str) and typ is not str:
         try:
             return {"true": True, "false": False}[v.lower()] if typ is bool else typ(v)
@@ -100,7 +108,7 @@ def parse(argv, classes, help_text):
             i += 1
             continue
         name, eq, inline = a[2:].partition("=")
-        is_bool = lambda k: k in spec and type(spec[k].default) is bool
+        is_bool = lambda k: k in spec and spec[k].metadata.get("type") is bool
         key = name[3:] if name.startswith("no_") and is_bool(name[3:]) else known(name, spec)
         if is_bool(key):  # --name, --no_name, or --name=true/false
             value = coerce(key, inline, spec[key]) if eq else True
@@ -132,5 +140,32 @@ def print_help(text, classes):
         print(f"\n  {c.__doc__.strip().splitlines()[0]}")
         for f in fields(c):
             m = f.metadata
+            if not m.get("help"):  # internal
+                continue
             valid = " | ".join(map(str, m["choices"])) if m.get("choices") else valid_range(m)
-            print(f"    --{f.name:<28} {m.get('help', '')}" + (f" ({valid})" if valid else "") + f" [{f.default!r}]")
+            print(f"    --{f.name:<28} {m['help']}" + (f" ({valid})" if valid else "")
+                  + (f" [{f.default!r}]" if f.default is not None else ""))
+
+
+class QuietPipe:
+    """sys.stdout that goes quiet when its reader is gone (python train.py | head): a closed pipe must
+    not stop a training run or end a command with a traceback."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self.stream = open(os.devnull, "w")
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self.stream = open(os.devnull, "w")
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)

@@ -11,10 +11,12 @@ overlapping windows (windows_batch). Every batch is a pure function of (seed, st
 resumed run draws exactly the batches the uninterrupted run would have drawn.
 """
 import functools
+import glob
 import hashlib
 import json
 import os
 import re
+import sys
 from collections import Counter, namedtuple
 
 import numpy as np
@@ -59,6 +61,9 @@ def fit_regex_tokenizer(text, vocab_size=20000, min_freq=2):
     """Paper A's tokenizer: 4 specials + the most frequent regex tokens seen >= min_freq times."""
     counts = Counter(re.findall(REGEX, text))
     common = [t for t, c in counts.most_common(vocab_size - len(SPECIALS)) if c >= min_freq]
+    if len(common) < 100:  # almost every token would be <unk>: say so rather than train on it
+        print(f"note: the regex vocabulary has only {len(common)} tokens seen at least {min_freq} times in the training "
+              "text: most tokens will be <unk>; use more text or --tokenizer bytes", file=sys.stderr)
     return {"kind": "regex", "vocab": SPECIALS + common}
 
 
@@ -131,12 +136,22 @@ def reachable(host, port=443, timeout=3.0):
         return False
 
 
-def read_file(path):
+def read_file(path, what="data file"):
+    """A UTF-8 text file, or one line saying why not (missing, a folder, unreadable, not UTF-8, empty)."""
+    if os.path.isdir(path):
+        raise RunError(f"{what} {path} is a folder; give a text file")
     if not os.path.isfile(path):
-        raise RunError(f"data file {path} not found")
-    text = open(path, encoding="utf-8", errors="replace").read()
+        raise RunError(f"{what} {path} not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except PermissionError:
+        raise RunError(f"{what} {path} is not readable (permission denied)") from None
+    except UnicodeDecodeError as e:  # training on replacement characters would "work" and mean nothing
+        raise RunError(f"{what} {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                       "convert it, e.g. iconv -f latin1 -t utf-8") from None
     if not text.strip():
-        raise RunError(f"data file {path} is empty")
+        raise RunError(f"{what} {path} is empty")
     return text
 
 
@@ -227,7 +242,15 @@ def n_windows(n_tokens, block_size, stride):
 
 def atomic_write(path, write):
     """write(tmp_path), then rename over path: a crash mid-write never leaves a torn file at path.
-    The temporary file is removed if the write fails."""
+    The temporary file is removed if the write fails, and those of killed processes (kill -9 mid-write)
+    are removed by the next write. (Per process: two ranks may write one token cache at once.)"""
+    for old in glob.glob(glob.escape(path) + ".*.tmp"):
+        pid = old[len(path) + 1:-4]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            try:
+                os.remove(old)
+            except OSError:
+                pass
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         write(tmp)
@@ -235,6 +258,16 @@ def atomic_write(path, write):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    return True
 
 
 def atomic_write_text(path, text):
@@ -249,28 +282,58 @@ def addition_block_size(digits):
     return 2 * digits + 3 + digits + 2   # "a+b= " + reversed sum (<= digits+1 digits) + "§"
 
 
-def addition_batch(n, digits, generator, exclude=None):
-    """n problems "1750+4733= 3846§" (sum reversed, least significant digit first), right-padded.
-    Targets cover the space, the answer digits and § only. exclude: codes a*10^d+b held out."""
+def is_heldout(codes):
+    """The held-out problems: 1 in 50, picked by a hash of the problem (code a·10^d + b), so the
+    split is the same for every seed and every evaluation setting, and training never sees them."""
+    return (codes % 2_147_483_647) * 48_271 % 2_147_483_647 % 50 == 0
+
+
+def _problems(n, digits, generator, heldout):
     lo, hi = 10 ** (digits - 1), 10 ** digits
     a = torch.randint(lo, hi, (n,), generator=generator)
     b = torch.randint(lo, hi, (n,), generator=generator)
-    if exclude is not None:  # redraw the (rare) collisions with the held-out set
-        bad = torch.from_numpy(np.isin((a * hi + b).numpy(), exclude))
-        while bad.any():
-            a[bad] = torch.randint(lo, hi, (int(bad.sum()),), generator=generator)
-            bad = torch.from_numpy(np.isin((a * hi + b).numpy(), exclude))
-    T = addition_block_size(digits)
-    pad = len(ADDITION_CHARS)
-    x = torch.full((n, T), pad)
-    y = torch.full((n, T), -1)
-    for i, (p, q) in enumerate(zip(a.tolist(), b.tolist())):
-        s = [ADDITION_CHARS.index(c) for c in f"{p}+{q}= {str(p + q)[::-1]}§"]
-        x[i, :len(s)] = torch.tensor(s)
-        start = 2 * digits + 1  # position of "=": from here on, predict " ", the digits and "§"
-        y[i, start:len(s) - 1] = torch.tensor(s[start + 1:])
-    return x, y, a * hi + b
+    bad = is_heldout(a * hi + b) != heldout
+    while not heldout and bad.any():  # redraw the held-out problems (2%)
+        a[bad] = torch.randint(lo, hi, (int(bad.sum()),), generator=generator)
+        b[bad] = torch.randint(lo, hi, (int(bad.sum()),), generator=generator)
+        bad = is_heldout(a * hi + b)
+    return (a[~bad], b[~bad]) if heldout else (a, b)
 
 
-def addition_heldout(digits, n, seed):
-    return addition_batch(n, digits, torch.Generator().manual_seed(10_000 + seed))
+def addition_batch(n, digits, generator, heldout=False):
+    """n training problems "1750+4733= 3846§" (sum reversed, least significant digit first),
+    right-padded; with heldout=True, a random subset of the n that are held out. Targets cover
+    the space, the answer digits and § only. Returns (x, y, codes a·10^d + b)."""
+    a, b = _problems(n, digits, generator, heldout)
+    d, s = digits, a + b
+    L = d + (s >= 10 ** d).long()                                       # the sum has d or d+1 digits
+    pos = torch.arange(addition_block_size(d))
+    col = lambda v, i: v.unsqueeze(1) // 10 ** i % 10                 # digit i (0 = least significant)
+    ids = torch.full((len(a), len(pos)), len(ADDITION_CHARS))           # pad (ids: "0123456789+= §", pad)
+    ids[:, :d] = col(a, torch.arange(d - 1, -1, -1))                    # a, most significant first
+    ids[:, d], ids[:, 2 * d + 1], ids[:, 2 * d + 2] = 10, 11, 12        # "+", "=", " "
+    ids[:, d + 1:2 * d + 1] = col(b, torch.arange(d - 1, -1, -1))
+    j = pos - (2 * d + 3)                                               # the answer's j-th digit, reversed
+    ans = (j >= 0) & (j < L.unsqueeze(1))
+    ids = torch.where(ans, col(s, j.clamp(0, d)), ids)
+    x = torch.where(j == L.unsqueeze(1), 13, ids)                       # "§" after the answer
+    # targets: the next token, from "=" (predict " ") to the last digit (predict "§")
+    y = torch.full_like(x, -1)
+    t = pos[:-1]
+    keep = (t >= 2 * d + 1) & (t < (2 * d + 3 + L).unsqueeze(1))
+    y[:, :-1] = torch.where(keep, x[:, 1:], -1)
+    return x, y, a * 10 ** d + b
+
+
+def addition_heldout(digits, n):
+    """The test set: the first n distinct held-out problems of a fixed stream (the same for every
+    run, so seeds and settings are compared on the same problems; the first 100 are the public
+    protocol's)."""
+    g, parts, seen = torch.Generator().manual_seed(10_000), [], set()
+    for _ in range(50):
+        x, y, c = addition_batch(100_000, digits, g, heldout=True)  # ~2,000 held out per draw
+        keep = [i for i, v in enumerate(c.tolist()) if not (v in seen or seen.add(v))]
+        parts.append((x[keep], y[keep], c[keep]))
+        if len(seen) >= n:
+            return tuple(torch.cat(t)[:n] for t in zip(*parts))
+    raise ValueError(f"only {len(seen)} held-out problems exist with {digits} digits; ask for fewer")

@@ -35,23 +35,26 @@ from configurator import UsageError, check, setting
 @dataclass
 class LoopLMConfig:
     """model (looplm.LoopLMConfig)"""
-    vocab_size: int = setting(50257, "vocabulary size; set by the tokenizer (GPT-2 BPE: 50,257)", lo=1)
-    block_size: int = setting(256, "context length (learned absolute positions end there)", lo=1)
-    n_layer: int = setting(8, "depth of the shared stack F", lo=1)
-    n_head: int = setting(8, "attention heads", lo=1)
-    n_embd: int = setting(512, "model width d", lo=1)
-    n_loops: int = setting(4, "K: loops of the shared stack at training time (and the default at evaluation)", lo=1)
+    vocab_size: int = setting(50257, "vocabulary size; set by the tokenizer (GPT-2 BPE: 50,257)", lo=1, hi=10**7)
+    block_size: int = setting(256, "context length (learned absolute positions end there)", lo=1, hi=10**6)
+    n_layer: int = setting(8, "depth of the shared stack F", lo=1, hi=1000)
+    n_head: int = setting(8, "attention heads", lo=1, hi=4096)
+    n_embd: int = setting(512, "model width d", lo=1, hi=65536)
+    n_loops: int = setting(4, "K: loops of the shared stack at training time (and the default at evaluation)", lo=1, hi=100_000)
     dropout: float = setting(0.1, "dropout on embeddings, attention and MLP outputs", lo=0.0, hi=0.99)
     readout: str = setting("norm", "norm: W_E·RMSNorm(H), scale-invariant | raw: W_E·H | final_norm: raw, norm at loop K",
                            choices=("norm", "raw", "final_norm"))
     per_loop_ce: bool = setting(False, "train every loop's readout: mean_k CE_k (else CE_K only)")
-    norm_penalty: float = setting(0.0, "Paper A's fix: loss += λ·mean_k mean(H_k²) (the paper: 0.01)", lo=0.0)
+    norm_penalty: float = setting(0.0, "Paper A's fix: loss += λ·mean_k mean(H_k²) (the paper: 0.01)", lo=0.0, hi=1e6)
     loop_norm: bool = setting(False, "RMSNorm the state on the recurrent path between loops (Ouro-style)")
     block_norm: str = setting("pre", "pre: x+f(N(x)) | post: N(x+f(x)) | sandwich: N'(x+f(N(x))), Paper B's",
                               choices=("pre", "post", "sandwich"))
     mlp: str = setting("swiglu", "SwiGLU (Paper A) or GELU (Paper B's addition model)", choices=("swiglu", "gelu"))
-    mlp_hidden: int = setting(0, "MLP hidden width; 0 means 4·n_embd", lo=0)
+    mlp_hidden: int = setting(0, "MLP hidden width; 0 means 4·n_embd", lo=0, hi=10**6)
     inject: bool = setting(False, "add the input embedding H_0 to the state at every loop after the first")
+    norm: str = setting("rmsnorm", "every norm: rmsnorm (Paper A) | layernorm, with a bias (Paper B's code)",
+                        choices=("rmsnorm", "layernorm"))
+    bias: bool = setting(False, "biases in the Linear layers (Paper B's code has them)")
     init: str = setting("pytorch", "pytorch: torch's module defaults, Paper A's code | normal: every weight N(0, 0.02), "
                         "Paper B's code | nanogpt: N(0, 0.02), residual projections / sqrt(2·n_layer·K)",
                         choices=("pytorch", "normal", "nanogpt"))
@@ -73,7 +76,7 @@ class LoopLMConfig:
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) · g. Written out (not F.rms_norm) so forward-mode AD works."""
+    """x / sqrt(mean(x²) + eps) · g, one fused kernel (forward-mode AD and double backward work)."""
 
     def __init__(self, dim, eps=1e-6):
         super().__init__()
@@ -81,15 +84,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def Norm(cfg):
+    """The model's norm: RMSNorm, or LayerNorm with a bias as in Paper B's code (every norm of the model)."""
+    return RMSNorm(cfg.n_embd) if cfg.norm == "rmsnorm" else nn.LayerNorm(cfg.n_embd)
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual = True  # scaled init, see LoopLM._init_weights
         self.dropout = cfg.dropout  # on the attention probabilities; none after c_proj, as in both papers' code
         self.math = False  # explicit attention: set by LoopLM.math_attention (STARS needs it)
@@ -126,8 +134,8 @@ class MLP(nn.Module):
         hidden = cfg.mlp_hidden or 4 * cfg.n_embd
         self.swiglu = cfg.mlp == "swiglu"
         # SwiGLU: silu(x W_gate) * (x W_up), fused into one matmul of width 2·hidden
-        self.c_fc = nn.Linear(cfg.n_embd, (2 if self.swiglu else 1) * hidden, bias=False)
-        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=False)
+        self.c_fc = nn.Linear(cfg.n_embd, (2 if self.swiglu else 1) * hidden, bias=cfg.bias)
+        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual = True
         self.dropout = nn.Dropout(cfg.dropout)
 
@@ -152,9 +160,9 @@ class Block(nn.Module):
         super().__init__()
         self.placement = cfg.block_norm
         self.attn, self.mlp = CausalSelfAttention(cfg), MLP(cfg)
-        self.ln_1, self.ln_2 = RMSNorm(cfg.n_embd), RMSNorm(cfg.n_embd)
+        self.ln_1, self.ln_2 = Norm(cfg), Norm(cfg)
         if self.placement == "sandwich":
-            self.ln_1_post, self.ln_2_post = RMSNorm(cfg.n_embd), RMSNorm(cfg.n_embd)
+            self.ln_1_post, self.ln_2_post = Norm(cfg), Norm(cfg)
 
     def forward(self, x, cache=None):
         if self.placement == "pre":
@@ -175,9 +183,9 @@ class LoopLM(nn.Module):
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))  # the shared stack F
-        self.ln_f = RMSNorm(config.n_embd)   # the readout norm (used by readout "norm" and "final_norm")
+        self.ln_f = Norm(config)   # the readout norm (used by readout "norm" and "final_norm")
         if config.loop_norm:
-            self.ln_loop = RMSNorm(config.n_embd)
+            self.ln_loop = Norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embedding and LM head
         if config.init != "pytorch":
@@ -187,13 +195,15 @@ class LoopLM(nn.Module):
         """The init decides whether Paper A's blind spot shows at small scale (README).
         pytorch: nothing to do, the modules keep torch's defaults, as in Paper A's public code:
             embeddings N(0, 1) (the tied head too), Linear layers Kaiming-uniform, U(±1/sqrt(fan_in)).
-        normal:  every weight N(0, 0.02), as in Paper B's public addition code.
+        normal:  every weight N(0, 0.02), biases 0, as in Paper B's public addition code.
         nanogpt: N(0, 0.02), residual projections shrunk by the number of effective layers n_layer·K."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
             std = 0.02
             if self.config.init == "nanogpt" and getattr(module, "residual", False):
                 std = 0.02 / math.sqrt(2 * self.config.n_layer * self.config.n_loops)
             nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding=False):
         """Parameters, shared weights counted once: independent of n_loops."""
@@ -214,10 +224,10 @@ class LoopLM(nn.Module):
         carried into the loop (LoopLM.carry; the first loop takes H_0 as it is), h0 (the embedding)
         is added when config.inject is on, then the shared stack F runs. cache is a list of
         per-layer dicts for this loop (KV cache, see sample.py)."""
-        if not first:
+        if not first:  # the first loop takes H_0 as it is (no 2·H_0 when injecting)
             h = self.carry(h)
-        if self.config.inject:
-            h = h + h0
+            if self.config.inject:
+                h = h + h0
         for i, block in enumerate(self.blocks):
             h = block(h, None if cache is None else cache[i])
         return h
@@ -281,13 +291,20 @@ class LoopLM(nn.Module):
             return self.readout(states[-1][:, [-1], :], K, K), None
         return self.objective(states, targets)
 
-    def objective(self, states, targets):
+    def objective(self, states, targets, checkpoint=False):
         """Paper A's training objective from the loop states [H_1..H_K]: (last logits, loss).
         Where the loss is placed is the paper's second switch: CE_K alone (terminal), or the mean
-        of every loop's CE (per_loop_ce), which asks each loop's readout to be a usable exit."""
+        of every loop's CE (per_loop_ce), which asks each loop's readout to be a usable exit.
+        checkpoint: each loop's readout and CE are recomputed in backward instead of kept, so per-loop
+        CE never holds K (batch, T, vocab) activations at once (then the logits returned are None)."""
         cfg, K = self.config, len(states)
         ce = lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
-        if cfg.per_loop_ce:                                 # dense supervision: mean_k CE_k
+        if cfg.per_loop_ce and checkpoint and torch.is_grad_enabled():
+            ce_k = lambda h, k: ce(self.readout(h, k, K))
+            logits = None
+            loss = sum(torch.utils.checkpoint.checkpoint(ce_k, h, k, use_reentrant=False)
+                       for k, h in enumerate(states, 1)) / K
+        elif cfg.per_loop_ce:                               # dense supervision: mean_k CE_k
             outs = self.readouts(states)
             logits, loss = outs[-1][1], sum(ce(lg) for _, lg in outs) / K
         else:                                               # terminal: CE_K only

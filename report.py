@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import stars
 from configurator import RunError, UsageError
-from data import addition_heldout, atomic_write, atomic_write_text, get_batch
+from data import ADDITION_CHARS, addition_heldout, atomic_write, atomic_write_text, get_batch
 from looplm import LoopLM, LoopLMConfig, fixed_point_residual, norm_stats, radial_fraction, token_norms
 
 
@@ -71,8 +71,9 @@ def evaluate(model, cfg, val_data, device, ctx, final=False):
         report["addition"] = addition_eval(model, cfg, K_eval, device)
         acc = report["addition"]["accuracy"]
         val_loss = 1.0 - acc[str(min(K, K_eval))]
-        print("exact match " + " ".join(f"K{k}={100 * acc[str(k)]:.1f}%" for k in (1, 2, 4, 8, 16, 32, 64, 100)
-                                         if str(k) in acc))
+        pub = report["addition"]["accuracy_public"]
+        print("exact match (strict | public) " + " ".join(f"K{k}={100 * acc[str(k)]:.1f}|{100 * pub[str(k)]:.0f}%"
+                                                          for k in DEPTHS if str(k) in acc))
     else:
         rows, n_tok = evaluate_lm(model, val_data, cfg, K_eval, device, ctx)
         report["per_loop"], report["eval_tokens"] = rows, n_tok
@@ -92,12 +93,20 @@ def evaluate(model, cfg, val_data, device, ctx, final=False):
     return val_loss, report
 
 
+DEPTHS = (1, 2, 4, 8, 16, 32, 64, 100)  # where ρ and the public protocol are measured
+
+
 @torch.no_grad()
 def addition_eval(model, cfg, n_loops, device):
-    """Greedy exact match per loop count. Teacher forcing gives the same verdict as greedy
-    decoding until '§': the greedy answer is right iff the argmax is the true token at every
-    answer position given the true prefix. So one pass to n_loops scores every depth."""
-    x, y, _ = addition_heldout(cfg.digits, cfg.eval_problems, cfg.seed)
+    """Exact match at every depth 1..n_loops by two protocols, and the loop map's ρ at a few depths.
+    strict (looplm's): the held-out problems, the space, every digit and § must all be right. Teacher
+        forcing gives the same verdict as greedy decoding until §: the greedy answer is right iff the
+        argmax is the true token at every answer position given the true prefix. So one pass to
+        n_loops scores every depth.
+    public (Paper B's random_test_formal.py): the first 100 problems, decoded greedily for exactly as
+        many tokens as the true answer (space + digits), and only the digits compared, as an integer.
+    ρ: at the answer positions (the ones that decide the output) and at every position (padding too)."""
+    x, y, _ = addition_heldout(cfg.digits, cfg.eval_problems)
     acc, resid = {}, {}
     correct = torch.zeros(n_loops, len(x), dtype=torch.bool)
     res_sum = torch.zeros(n_loops)
@@ -113,22 +122,44 @@ def addition_eval(model, cfg, n_loops, device):
     for k in range(1, n_loops + 1):
         acc[str(k)] = correct[k - 1].float().mean().item()
         resid[str(k)] = res_sum[k - 1].item() / len(x) if k > 1 else None
+    depths = [k for k in DEPTHS if k <= n_loops]
+    public = {str(k): public_addition_accuracy(model, x[:100], y[:100], k, device) for k in depths}
     # spectral radius of the loop map at a few depths, on 64 problems (power iteration)
-    xb = x[:64].to(device)
+    xb, mask = x[:64].to(device), (y[:64] != -1).to(device)
     states, h0 = model.loop_states(xb, n_loops), model.embed(xb)
-    rho = {str(k): loop_map_rho(model, h0, k, states, iters=10)
-           for k in sorted({1, 2, 4, 8, 16, 32, 64, 100, n_loops}) if k <= n_loops}
-    return {"accuracy": acc, "residual": resid, "spectral_radius": rho}
+    rho = {str(k): loop_map_rho(model, h0, k, states) for k in depths}
+    rho_answer = {str(k): loop_map_rho(model, h0, k, states, mask) for k in depths}
+    return {"accuracy": acc, "accuracy_public": public, "residual": resid, "spectral_radius": rho,
+            "spectral_radius_answer": rho_answer}
 
 
-def loop_map_rho(model, h0, k, states, iters=10):
-    """ρ of ∂H_k/∂H_{k-1}, the loop map at loop k's input (H_0 for loop 1), by power iteration."""
+@torch.no_grad()
+def public_addition_accuracy(model, x, y, n_loops, device):
+    """Paper B's protocol at depth n_loops: greedy, the answer length given, digits compared as an int."""
+    answer = y != -1
+    start = int(answer.float().argmax(1).min()) + 1     # the prompt ends with "=" (all prompts have one length)
+    n_gen = answer.sum(1) - 1                           # space + digits: the true answer without §
+    seq = x[:, :start].to(device)
+    for _ in range(int(n_gen.max())):                   # every row decodes the longest length, then is cut
+        h = model.loop_states(seq, n_loops)[-1]
+        seq = torch.cat([seq, model.readout(h[:, -1:], n_loops, n_loops).argmax(-1)], 1)
+    digits = lambda ids: "".join(ADDITION_CHARS[i] for i in ids if i < 10)  # ids 0..9 are the digits
+    ok = 0
+    for row, t, n in zip(seq[:, start:].tolist(), y.tolist(), n_gen.tolist()):
+        got, want = digits(row[:n]), digits(t[start - 1:start - 1 + n])  # (reversed sums: compare as read)
+        ok += got != "" and int(got[::-1]) == int(want[::-1])
+    return ok / len(x)
+
+
+def loop_map_rho(model, h0, k, states, mask=None, iters=40):
+    """ρ of ∂H_k/∂H_{k-1}, the loop map at loop k's input (H_0 for loop 1), by power iteration;
+    with mask (batch, T), restricted to those positions (stars.spectral_radius)."""
     h0 = h0.detach()
     with torch.enable_grad():
         if k == 1:
             with model.math_attention():
-                return stars.spectral_radius(lambda h: type(model).step(model, h, h0, first=True), h0, iters=iters)
-        return stars.spectral_radius(stars.looplm_step_fn(model, h0), states[k - 2][:len(h0)], iters=iters)
+                return stars.spectral_radius(lambda h: type(model).step(model, h, h0, first=True), h0, iters, mask=mask)
+        return stars.spectral_radius(stars.looplm_step_fn(model, h0), states[k - 2][:len(h0)], iters, mask=mask)
 
 
 @torch.no_grad()
@@ -243,9 +274,26 @@ def plot_report(out_dir, report, log_rows):
         plt.close(fig)
 
 
-def read_log(d):
+def append_log(path, row):
+    """One row of the training log (a line of JSON); a failed write is one line, not a traceback."""
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    except OSError as e:
+        raise RunError(f"cannot write the log {path} ({e.strerror})") from None
+
+
+def trim_log(path, iter_num):
+    """Keep the log's rows up to step iter_num: on resume, the checkpoint's step (later rows belong to a
+    run that no longer exists). A torn last line is dropped too."""
+    if os.path.exists(path):
+        rows = [r for r in read_log(os.path.dirname(path), os.path.basename(path)) if r.get("iter", 0) <= iter_num]
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def read_log(d, name="log.jsonl"):
     """log.jsonl's rows; a torn last line (a run killed mid-write) is skipped."""
-    p = os.path.join(d, "log.jsonl")
+    p = os.path.join(d, name)
     rows = []
     for line in open(p) if os.path.exists(p) else []:
         try:
@@ -276,7 +324,11 @@ def run_names(dirs):
 
 
 def write_report(out_dir, report):
-    atomic_write_text(os.path.join(out_dir, "report.json"), json.dumps(report, indent=1))
+    try:
+        atomic_write_text(os.path.join(out_dir, "report.json"), json.dumps(report, indent=1))
+    except OSError as e:
+        raise RunError(f"cannot write {out_dir}/report.json ({e.strerror}); the checkpoint is intact: "
+                       "rerun the evaluation with --eval_only --init_from resume") from None
     plot_report(out_dir, report, read_log(out_dir))
     print(f"wrote {out_dir}/report.json and plots")
 

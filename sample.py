@@ -11,19 +11,19 @@ Depth is a compute dial: the shared stack runs any number of loops and every loo
 be read out (LoopLM.readout). Adaptive depth stops looping for a token as soon as its readout is
 confident enough, so easy tokens cost one loop and hard ones loop on.
 """
-import argparse
 import math
 import os
 import re
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 import data
 import report
-from configurator import RunError, UsageError
+from configurator import QuietPipe, RunError, UsageError, check, parse, setting
 
 EXITS = ("max_prob", "margin", "entropy")
 
@@ -130,7 +130,7 @@ def uncached_logits(model, idx, n_loops, exit=None, threshold=None):
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, n_loops, temperature=1.0, top_k=None, exit=None,
-             threshold=None, use_cache=True, generator=None, stop_token=None):
+             threshold=None, use_cache=True, generator=None, stop_token=None, vocab=None):
     """Sample max_new_tokens after idx (B, T). temperature 0 means greedy. Returns (idx with the
     new tokens appended, stats: loops per new token (B, N), mean_loops, tokens_per_s).
 
@@ -139,7 +139,7 @@ def generate(model, idx, max_new_tokens, n_loops, temperature=1.0, top_k=None, e
     positions stop at block_size, and a sliding window shifts every token's position, which
     invalidates all cached keys. So once the context is full, each step re-prefills the last
     block_size - 1 tokens into a fresh cache (nanoGPT's idx[:, -block_size:], at the cost of an
-    uncached step)."""
+    uncached step). vocab: the tokenizer's size; the rows of a vocabulary padded beyond it are never sampled."""
     bs, t0, all_loops = model.config.block_size, time.perf_counter(), []
     cache, pos = None, 0  # pos: absolute position of the next token fed, = tokens in the cache
     for _ in range(max_new_tokens):
@@ -152,6 +152,8 @@ def generate(model, idx, max_new_tokens, n_loops, temperature=1.0, top_k=None, e
             logits, loops = decode_token(model, idx[:, -1:], pos, cache, n_loops, exit, threshold)
             pos += 1
         all_loops.append(loops)
+        if vocab is not None and vocab < logits.size(-1):
+            logits[:, vocab:] = -float("inf")
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
@@ -255,13 +257,20 @@ def decode_forced(model, x, y, n_loops, exit=None, threshold=None):
 
 
 # ---- command line ---------------------------------------------------------------------------
-def eval_data(ckpt, model, n):
-    """(x, y) held-out sequences: evenly spaced validation windows (LM) or addition problems."""
+def eval_data(ckpt, model, n, folder="."):
+    """(x, y) held-out sequences: evenly spaced validation windows (LM) or addition problems. folder:
+    the checkpoint's, where a token cache goes if the training run's is not in the current directory."""
     cfg = ckpt["config"]
     if cfg.get("task") == "addition":
-        x, y, _ = data.addition_heldout(cfg["digits"], n or 400, cfg["seed"])
+        try:
+            x, y, _ = data.addition_heldout(cfg["digits"], n or 400)
+        except ValueError as e:
+            raise CLIError(f"--eval_seqs {n or 400}: {e}") from None
         return x, y
-    _, val, _ = data.prepare_data(cfg)
+    # the training run's token cache if it is here, else one beside the checkpoint (never a new one here)
+    cache = cfg.get("cache_dir", "data_cache")
+    _, val, _ = data.prepare_data({**cfg, "cache_dir": cache if os.path.isabs(cache) or os.path.isdir(cache) else
+                                   os.path.join(folder, cache)})
     T = model.config.block_size
     if len(val) < T + 1:
         raise CLIError(f"the validation split has {len(val)} tokens, fewer than block_size+1={T + 1}", 1)
@@ -274,7 +283,8 @@ def depth_report(model, ckpt, args, device):
     """--eval / --calibrate: fixed K vs adaptive depth, first in the fast teacher-forced table
     (Paper A's protocol, all loops computed), then through real incremental decoding."""
     K, addition = args.n_loops, ckpt["config"].get("task") == "addition"
-    x, y = (t.to(device) for t in eval_data(ckpt, model, args.eval_seqs))
+    folder = args.out_dir if os.path.isdir(args.out_dir) else os.path.dirname(args.out_dir)
+    x, y = (t.to(device) for t in eval_data(ckpt, model, args.eval_seqs, folder))
     exit, thr = args.exit or "max_prob", args.exit_threshold
     fmt = lambda r: (f"PPL {r['ppl']:8.3f}  loops {r['loops']:5.2f}/{K}"
                      + (f"  exact {100 * r['exact']:5.1f}%" if addition else ""))
@@ -307,42 +317,41 @@ def addition_prompt(start, digits):
     return int(m[1]), int(m[2])
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        raise CLIError(f"{message} (see python sample.py --help)")
+@dataclass
+class SampleConfig:
+    """sampling (sample.py)"""
+    out_dir: str = setting("out", "folder holding ckpt.pt (or the .pt file itself)")
+    start: str = setting("\n", 'prompt text, or FILE:path to read it from a file; addition: "1234+5678=" (default: '
+                               'a newline)')
+    num_samples: int = setting(None, "samples to draw (default: 10; addition 1)", type=int, lo=1, hi=100_000)
+    max_new_tokens: int = setting(500, "tokens generated per sample (addition stops at §)", lo=0, hi=1_000_000)
+    temperature: float = setting(None, "softmax temperature; 0 = greedy (default: 0.8; addition 0)", type=float,
+                                 lo=0.0, hi=100.0)
+    top_k: int = setting(200, "sample among the top_k most likely tokens only", lo=1, hi=10**7)
+    seed: int = setting(1337, "random seed of the sampler", lo=0, hi=2**32 - 1)
+    device: str = setting("auto", "auto | cpu | cuda | cuda:N")
+    num_threads: int = setting(0, "CPU threads (0 = torch's default; 1 is fastest for batch-1 decoding on a busy "
+                                  "machine)", lo=0, hi=4096)
+    n_loops: int = setting(None, "K: loops of the shared stack, any K >= 1 (default: the checkpoint's n_loops)",
+                           type=int, lo=1, hi=100_000)
+    exit: str = setting(None, "adaptive depth: a token stops looping once its readout passes this criterion "
+                              "(max_prob, margin = p1-p2: >= threshold; entropy in nats: <= threshold; default: off)",
+                        type=str, choices=EXITS)
+    exit_threshold: float = setting(None, "threshold of --exit (--calibrate finds one)", type=float, lo=0.0, hi=100.0)
+    cache: bool = setting(True, "KV cache (--no_cache: recompute the whole context for every token, the slow "
+                                "reference path)")
+    eval: bool = setting(False, "measure fixed K vs adaptive depth on held-out data, then exit")
+    calibrate: bool = setting(False, "find the --exit threshold keeping PPL within --ratio x fixed-K PPL, then "
+                                     "--eval it")
+    ratio: float = setting(1.01, "--calibrate: allowed PPL ratio to fixed K (Paper A's protocol)", lo=1.0, hi=100.0)
+    eval_seqs: int = setting(None, "held-out sequences for --eval/--calibrate (default: 16 windows; addition 400 "
+                                   "problems)", type=int, lo=2, hi=10_000)
 
 
 def parse_args(argv):
-    p = Parser(description="Sample from a looplm checkpoint at a fixed or adaptive depth.",
-               epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    def a(flag, default, help, show=None, **kw):  # every option shows its default in --help
-        p.add_argument(flag, default=default, help=f"{help} [{default if show is None else show}]", **kw)
-    a("--out_dir", "out", "folder holding ckpt.pt (or the .pt file itself)")
-    a("--start", "\n", 'prompt text, or FILE:path to read it from a file; addition: "1234+5678="', show="newline")
-    a("--num_samples", None, "samples to draw", type=int, show="10; addition 1")
-    a("--max_new_tokens", 500, "tokens generated per sample (addition stops at §)", type=int)
-    a("--temperature", None, "softmax temperature; 0 = greedy", type=float, show="0.8; addition 0")
-    a("--top_k", 200, "sample among the top_k most likely tokens only", type=int)
-    a("--seed", 1337, "random seed of the sampler", type=int)
-    a("--device", "auto", "auto | cpu | cuda | cuda:N")
-    a("--num_threads", 0, "CPU threads (0 = torch's default; 1 is fastest for batch-1 decoding on a busy machine)", type=int)
-    a("--n_loops", None, "K: loops of the shared stack, any K >= 1", type=int, show="the checkpoint's n_loops")
-    a("--exit", None, "adaptive depth: a token stops looping once its readout passes this criterion "
-      "(max_prob, margin = p1-p2: >= threshold; entropy in nats: <= threshold)", choices=EXITS, show="off")
-    a("--exit_threshold", None, "threshold of --exit", type=float, show="none; --calibrate finds one")
-    a("--no_cache", False, "recompute the whole context for every token (slow reference path)", action="store_true")
-    a("--eval", False, "measure fixed K vs adaptive depth on held-out data, then exit", action="store_true")
-    a("--calibrate", False, "find the --exit threshold keeping PPL within --ratio x fixed-K PPL, then --eval it",
-      action="store_true")
-    a("--ratio", 1.01, "--calibrate: allowed PPL ratio to fixed K (Paper A's protocol)", type=float)
-    a("--eval_seqs", None, "held-out sequences for --eval/--calibrate", type=int, show="16 windows; addition 400 problems")
-    args = p.parse_args(argv)
-    for name, lo in (("num_samples", 1), ("max_new_tokens", 0), ("num_threads", 0), ("top_k", 1), ("n_loops", 1),
-                     ("eval_seqs", 2)):
-        if getattr(args, name) is not None and getattr(args, name) < lo:
-            raise CLIError(f"--{name} {getattr(args, name)} is invalid; it must be >= {lo}")
-    if args.temperature is not None and args.temperature < 0:
-        raise CLIError(f"--temperature {args.temperature} is invalid; it must be >= 0 (0 = greedy)")
+    values, _ = parse(argv, (SampleConfig,), __doc__)
+    args = SampleConfig(**values)
+    check(args)
     if args.exit and args.exit_threshold is None and not args.calibrate:
         raise CLIError(f"--exit {args.exit} needs --exit_threshold (or --calibrate to find one)")
     if args.exit_threshold is not None and not args.exit:
@@ -350,8 +359,8 @@ def parse_args(argv):
     if args.eval and not args.calibrate and not args.exit:
         raise CLIError("--eval compares fixed K with an exit policy: give --exit and --exit_threshold, "
                        "or use --calibrate")
-    if args.ratio < 1:
-        raise CLIError(f"--ratio {args.ratio} is invalid; it must be >= 1 (Paper A: 1.01)")
+    if args.device != "auto" and args.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", args.device):
+        raise CLIError(f"--device {args.device} is not supported; use auto, cpu, cuda or cuda:N")
     return args
 
 
@@ -374,9 +383,7 @@ def run(args):
         return 0
     start = args.start
     if start.startswith("FILE:"):
-        if not os.path.isfile(start[5:]):
-            raise CLIError(f"prompt file {start[5:]} not found", 1)
-        start = open(start[5:], encoding="utf-8").read()
+        start = data.read_file(start[5:], "prompt file")
     if addition:
         a, b = addition_prompt(start, cfg["digits"])
         start = f"{a}+{b}="
@@ -393,7 +400,8 @@ def run(args):
     x = torch.tensor([ids], dtype=torch.long, device=device)
     for _ in range(args.num_samples or (1 if addition else 10)):
         y, stats = generate(model, x, max_new, args.n_loops, temperature, args.top_k, args.exit,
-                            args.exit_threshold, not args.no_cache, gen, tok.encode("§")[0] if addition else None)
+                            args.exit_threshold, args.cache, gen, tok.encode("§")[0] if addition else None,
+                            tok.vocab_size)
         out = tok.decode(y[0, len(ids):].tolist())
         if addition:  # the model writes " 2196§": the sum's digits, least significant first
             digits = out.split("§")[0].strip()
@@ -408,8 +416,12 @@ def run(args):
 
 
 def main(argv=None):
+    sys.stdout = QuietPipe(sys.stdout) if not isinstance(sys.stdout, QuietPipe) else sys.stdout  # | head
     try:
         return run(parse_args(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:
+        print("sample.py: interrupted", file=sys.stderr)
+        return 130
     except CLIError as e:
         code, msg = e.code, str(e)
     except UsageError as e:

@@ -35,44 +35,58 @@ MODES = ("jvp", "vjp")
 KINDS = ("fixed", "lognormal", "poisson_lognormal")
 
 
-def _unit_normal(h, generator):
-    """v ~ N(0, I) with the shape of h, scaled so each sample (dim 0) has ‖v‖ = 1 over its other dims.
-    (The public addition code normalizes once over the whole tensor. Per sample, every sequence's
-    penalty has the same scale whatever the batch size.)"""
+def _unit_normal(h, generator, mask=None):
+    """v ~ N(0, I) with the shape of h (zero outside mask), scaled so each sample (dim 0) has
+    ‖v‖ = 1 over its other dims. (The public addition code normalizes once over the whole tensor.
+    Per sample, every sequence's penalty has the same scale whatever the batch size.)"""
     device = generator.device if generator is not None else h.device
-    v = torch.randn(h.shape, generator=generator, device=device, dtype=h.dtype).to(h.device)
-    return v / v.flatten(1).norm(dim=1).view(-1, *[1] * (h.dim() - 1))
+    v = torch.randn(h.shape, generator=generator, device=device, dtype=h.dtype).to(h.device, non_blocking=True)
+    if mask is not None:
+        v = v * mask
+    return v / v.flatten(1).norm(dim=1).clamp_min(1e-12).view(-1, *[1] * (h.dim() - 1))
 
 
-def jsrr_penalty(step_fn, h, mode="jvp", generator=None):
+def jsrr_penalty(step_fn, h, mode="jvp", generator=None, iters=1, mask=None):
     """Jacobian spectral radius regularizer at state h (batch first).
 
     mode "jvp": Jv by forward-mode AD (torch.func.jvp). One forward pass that carries a tangent.
     mode "vjp": vᵀJ by backward through the step with create_graph=True, as in the public STARS
         code. It gives the same value in expectation because E‖vᵀJ‖² = E‖Jv‖² = ‖J‖_F²/n.
+    iters: power iterations (the public code's spectral_iters, 1 there): v <- Jv/‖Jv‖, each
+        through a fresh step, and the last ‖Jv‖² is the penalty. As iters grows it tends to the
+        dominant |λ|², i.e. the penalty aims at ρ rather than at the mean squared singular value.
+    mask: (batch, T) booleans, the positions the penalty looks at (say, the supervised ones): v
+        lives there and only Jv there is measured. J is block lower-triangular over positions
+        (causal attention), so this restriction keeps exactly those positions' diagonal blocks.
     Returns (penalty, jv_norm):
         penalty = mean over the batch of ‖Jv‖². It is differentiable w.r.t. step_fn's parameters,
             but not w.r.t. h, which is detached as in the public code.
-        jv_norm = ‖Jv‖ per sample, shape (batch,), detached, for logging (an RMS singular value,
-            not ρ: see the module docstring)."""
+        jv_norm = ‖Jv‖ per sample, shape (batch,), detached, for logging (an RMS singular value
+            with iters=1, not ρ: see the module docstring)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is invalid; choose one of {', '.join(MODES)}")
     h = h.detach().contiguous()  # torch.func.jvp rejects expanded (overlapping) inputs
-    v = _unit_normal(h, generator)
-    if mode == "jvp":
-        # the parameters that step_fn closes over stay ordinary autograd leaves. torch.func.jvp
-        # composes with autograd, so the tangent output jv still has a graph back to them.
-        _, jv = torch.func.jvp(step_fn, (h,), (v,))
-    else:
-        with torch.enable_grad():
-            h = h.requires_grad_(True)
-            (jv,) = torch.autograd.grad(step_fn(h), h, v, create_graph=True)  # this is vᵀJ
-    sq = jv.flatten(1).pow(2).sum(1)  # ‖Jv‖² per sample
+    m = None if mask is None else mask.to(h.dtype).unsqueeze(-1)
+    v = _unit_normal(h, generator, m)
+    for i in range(iters):
+        if mode == "jvp":
+            # the parameters that step_fn closes over stay ordinary autograd leaves. torch.func.jvp
+            # composes with autograd, so the tangent output jv still has a graph back to them.
+            _, jv = torch.func.jvp(step_fn, (h,), (v,))
+        else:
+            with torch.enable_grad():
+                hg = h.clone().requires_grad_(True)
+                (jv,) = torch.autograd.grad(step_fn(hg), hg, v, create_graph=True)  # this is vᵀJ
+        if m is not None:
+            jv = jv * m
+        sq = jv.flatten(1).pow(2).sum(1)  # ‖Jv‖² per sample
+        if i + 1 < iters:  # not detached, as in the public code: the gradient flows through v too
+            v = jv / sq.sqrt().clamp_min(1e-12).view(-1, *[1] * (h.dim() - 1))
     return sq.mean(), sq.detach().sqrt()
 
 
 @torch.no_grad()
-def spectral_radius(step_fn, h, iters=20, generator=None):
+def spectral_radius(step_fn, h, iters=20, generator=None, mask=None):
     """Power-iteration estimate of ρ(J) at h, for evaluation only (no parameter graph).
 
     Iterate v <- Jv/‖Jv‖ per sample (J is block diagonal over the batch when samples don't
@@ -80,14 +94,19 @@ def spectral_radius(step_fn, h, iters=20, generator=None):
     the iterations. The growth factors telescope to (‖J^m u‖/‖u‖)^(1/m), which tends to
     |λ_max| also when the dominant eigenvalues are a complex pair. For a complex pair the
     last factor alone would oscillate. For a symmetric J this is the usual power iteration,
-    which converges at the rate |λ₂/λ₁| per step. Result: the per-sample estimate averaged
-    over the batch, as a float. Call it with the model in eval mode (no dropout).
+    which converges at the rate |λ₂/λ₁| per step. mask: (batch, T) booleans: ρ of J restricted
+    to those positions, which (J being block lower-triangular over positions) is the largest ρ
+    of their diagonal blocks, e.g. the answer positions that decide the output. Result: the
+    per-sample estimate averaged over the batch, as a float. Call it with the model in eval mode.
     """
     h = h.detach().contiguous()
-    v = _unit_normal(h, generator)
+    m = None if mask is None else mask.to(h.dtype).unsqueeze(-1)
+    v = _unit_normal(h, generator, m)
     logs = []
     for i in range(iters):
         _, jv = torch.func.jvp(step_fn, (h,), (v,))
+        if m is not None:
+            jv = jv * m
         norm = jv.flatten(1).norm(dim=1)
         if i >= iters // 2:
             logs.append(norm.clamp_min(1e-30).log())
@@ -101,15 +120,15 @@ def step_generator(seed, step):
     return torch.Generator().manual_seed(seed * 1_000_003 + step)
 
 
-def sample_loops(generator, kind="lognormal", mu=2.0, sigma=0.7, loop_max=100, loop_mean=32, grad_loops=8):
+def sample_loops(generator, kind="lognormal", mu=2.0, sigma=0.7, loop_max=100, loop_mean=32, grad_loops=0):
     """Draw the depth of one training step: (n_loops, grad_loops), where grad_loops is None (the
-    gradient flows through every loop) or b (truncated backprop through the last b loops only,
-    LoopLM.loop_states(grad_loops=b)). Deterministic given the generator.
+    gradient flows through every loop, as in Paper B's code) or b (truncated backprop through the
+    last b loops only, LoopLM.loop_states(grad_loops=b); Huginn uses 8). Deterministic given the generator.
     fixed:             (loop_max, None): the baseline, always the same depth.
     lognormal:         t = clip(round(LogNormal(mu, sigma)), 1, loop_max). Paper B uses μ=2, σ=0.7,
                        loop_max=100 for addition and μ=1.7, σ=0.4, loop_max=16 for the Ouro fine-tune.
     poisson_lognormal: Huginn's sampler. τ ~ N(log r̄ − σ²/2, σ), so E[e^τ] = r̄ = loop_mean,
-                       t = min(Poisson(e^τ) + 1, loop_max), gradient through the last grad_loops.
+                       t = min(Poisson(e^τ) + 1, loop_max).
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} is invalid; choose one of {', '.join(KINDS)}")
@@ -117,10 +136,11 @@ def sample_loops(generator, kind="lognormal", mu=2.0, sigma=0.7, loop_max=100, l
         return loop_max, None
     z = torch.randn((), generator=generator, dtype=torch.float64).item()
     if kind == "lognormal":
-        return min(max(round(math.exp(mu + sigma * z)), 1), loop_max), None
-    tau = math.log(loop_mean) - sigma**2 / 2 + sigma * z
-    t = min(int(torch.poisson(torch.tensor(math.exp(tau), dtype=torch.float64), generator=generator)) + 1, loop_max)
-    return t, min(t, grad_loops)
+        t = min(max(round(math.exp(mu + sigma * z)), 1), loop_max)
+    else:
+        tau = math.log(loop_mean) - sigma**2 / 2 + sigma * z
+        t = min(int(torch.poisson(torch.tensor(math.exp(tau), dtype=torch.float64), generator=generator)) + 1, loop_max)
+    return t, (min(t, grad_loops) if grad_loops else None)
 
 
 # ---- glue for LoopLM (looplm.py) -----------------------------------------------------------
@@ -139,18 +159,29 @@ def looplm_step_fn(model, h0):
 
 
 def training_loss(model, x, y, n_loops, grad_loops=None, lam=0.0, mode="vjp", rows=0, generator=None,
-                  checkpoint=False):
+                  checkpoint=False, iters=1, supervised=False, deep=0):
     """The loss of one training step at depth n_loops, as train.py and bench.py take it: Paper A's
     objective over the loop states (LoopLM.objective), and with lam > 0 Paper B's
-    (1 − λ)·task + λ·‖Jv‖² at the last state. rows > 0: the penalty on the first `rows` sequences
-    only (the batch is random, so they are a random subset: an unbiased estimate of the same mean).
+    (1 − λ)·task + λ·‖Jv‖² at the last state. Options beyond the public code (off by default):
+    rows > 0: the penalty on the first `rows` sequences only (the batch is random, so they are a
+        random subset: an unbiased estimate of the same mean).
+    iters: power iterations inside the penalty (jsrr_penalty).
+    supervised: the penalty at the supervised positions only (targets != -1).
+    deep > n_loops: the penalty at the state of loop `deep`, reached from the last state without
+        gradient: the map is made contracting where a deeper run at test time will be.
     Returns (loss, the loop states, ‖Jv‖ per penalized sequence or None)."""
     states = model.loop_states(x, n_loops, grad_loops=grad_loops, checkpoint=checkpoint)
-    _, loss = model.objective(states, y)
+    _, loss = model.objective(states, y, checkpoint)
     jv_norm = None
     if lam > 0:
         n = rows or x.size(0)
-        pen, jv_norm = jsrr_penalty(looplm_step_fn(model, model.embed(x[:n])), states[-1][:n], mode=mode, generator=generator)
+        step = looplm_step_fn(model, model.embed(x[:n]))
+        h = states[-1][:n].detach()
+        with torch.no_grad():
+            for _ in range(n_loops, deep):
+                h = step(h)
+        mask = (y[:n] != -1) if supervised else None
+        pen, jv_norm = jsrr_penalty(step, h, mode=mode, generator=generator, iters=iters, mask=mask)
         loss = stars_objective(loss, pen, lam)
     return loss, states, jv_norm
 

@@ -1,4 +1,5 @@
 """Tests of bench.py: FLOP counts, the profile, every figure. Fast unless marked slow: `python -m pytest -q -m "not slow"`."""
+import json
 import math
 
 import pytest
@@ -45,3 +46,23 @@ def test_bench_reports_every_figure():
     assert 1 <= res["adaptive_mean_loops"] <= 4
 
 
+
+
+def test_bench_options_are_checked_with_one_line(capsys):
+    for argv, msg in ((["--shape", "huge"], "--shape 'huge' is unknown"), (["--reps", "0"], "--reps 0 is invalid"),
+                      (["--mem_loops", "4,,8"], "--mem_loops '4,,8' is invalid"), (["--warmup", "nan"], "expects int"),
+                      (["--peak_flops", "inf"], "must be a finite number"), (["--device", "xpu"], "not supported")):
+        assert bench.cli(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("bench.py: error:") and msg in err and "\n" not in err, err
+
+
+@pytest.mark.slow
+def test_bench_gpu_check_runs_end_to_end_dry_on_cpu(tmp_path):
+    # the one-command GPU check, on CPU at tiny shapes: every stage runs and lands in the summary
+    out = tmp_path / "check.json"
+    assert bench.cli(["--gpu_check", "--dry", "--check_out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert {"tests", "bench", "lm_44m", "addition", "torchrun"} <= summary.keys()
+    assert all(summary[k]["rc"] == 0 and summary[k]["tokens_per_s"] > 0 for k in ("lm_44m", "addition", "torchrun"))
+    assert 0 < summary["bench"]["mfu"] < 1 and summary["bench"]["loop_vs_unrolled"] > 0

@@ -1,5 +1,6 @@
 """Tests of data.py: tokenizers, the token cache, the addition task, windows. Fast unless marked slow: `python -m pytest -q -m "not slow"`."""
 import os
+import re
 import subprocess
 import sys
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import data
+from configurator import RunError
 import train
 from conftest import HERE, TRAIN_ENV
 
@@ -86,11 +88,17 @@ def test_addition_data_format_targets_and_heldout():
         assert tgt[:eq] == [-1] * eq and tok.decode(tgt[eq:len(s) - 1]) == s[eq + 1:]
         assert tgt[len(s) - 1:] == [-1] * (17 - len(s) + 1)
     assert tok.decode(data.addition_batch(1, 4, torch.Generator().manual_seed(3))[0][0].tolist()).count("§") == 1
-    # held-out problems never appear in training batches (2 digits: only 8,100 problems, collisions are common)
-    held = data.addition_heldout(2, 1000, 1337)[2].numpy()
+    # held-out problems never appear in training batches (2 digits: only 8,100 problems, collisions would be common)
+    held = data.addition_heldout(2, 80)[2].numpy()
+    assert len(set(held.tolist())) == 80 and data.is_heldout(torch.from_numpy(held)).all()
     for step in range(20):
-        _, _, c = data.addition_batch(256, 2, torch.Generator().manual_seed(step), exclude=held)
-        assert not np.isin(c.numpy(), held).any()
+        _, _, c = data.addition_batch(256, 2, torch.Generator().manual_seed(step))
+        assert not np.isin(c.numpy(), held).any() and not data.is_heldout(c).any()
+    # one test set whatever its size: the first 100 of 1,000 are the 100; 2% of all problems are held out
+    assert torch.equal(data.addition_heldout(4, 1000)[0][:100], data.addition_heldout(4, 100)[0])
+    assert abs(data.is_heldout(torch.arange(10**6, 10**8, 997)).float().mean().item() - 0.02) < 0.001
+    with pytest.raises(ValueError, match="only .* held-out problems exist"):
+        data.addition_heldout(2, 1000)
 
 
 def test_windows_batch_walks_paper_a_epochs():
@@ -135,3 +143,13 @@ def test_wikitext2_from_a_folder_trains_on_the_split_asked_for(tmp_path):
         with pytest.raises(data.RunError, match="use --train_split test"):
             data.prepare_data(train.TrainConfig(dataset="wikitext2", data_dir=folder, tokenizer="bytes",
                                                 cache_dir=str(tmp_path)))
+
+
+def test_data_files_must_be_utf8_text_and_a_tiny_regex_vocabulary_is_reported(tmp_path, capsys):
+    (tmp_path / "latin.txt").write_bytes(("café " * 100).encode("latin-1"))
+    for path, msg in ((tmp_path / "latin.txt", "is not UTF-8 text (byte 0xe9 at offset 3); convert it"),
+                      (tmp_path, "is a folder"), (tmp_path / "nope.txt", "not found")):
+        with pytest.raises(RunError, match=re.escape(msg)):
+            data.read_file(str(path))
+    data.fit_regex_tokenizer("every word here is new and seen once only")
+    assert "the regex vocabulary has only 1 tokens seen at least 2 times" in capsys.readouterr().err  # the space

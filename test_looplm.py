@@ -33,6 +33,26 @@ def test_param_count_independent_of_loops_and_matches_paper():
         with torch.device("meta"):
             m = LoopLM(LoopLMConfig(vocab_size=20000, block_size=256, n_layer=L, n_head=h, n_embd=d))
         assert abs(m.num_params() - paper) / paper < 0.005, (m.num_params(), paper)
+    # Paper B's addition model (its public code): sandwich block, LayerNorm and Linear biases, d_ff 1024,
+    # 15 tokens, 512 positions: 2,104,832 in the block + 7,680 + 262,144 + 1,024 = 2,375,680, exactly
+    with torch.device("meta"):
+        m = LoopLM(LoopLMConfig(vocab_size=15, block_size=512, n_layer=1, n_head=8, n_embd=512, mlp="gelu",
+                                mlp_hidden=1024, block_norm="sandwich", norm="layernorm", bias=True))
+    assert m.num_params() == 2_375_680
+
+
+def test_layernorm_bias_option_and_inject_from_the_second_loop():
+    m = tiny(norm="layernorm", bias=True, init="normal", inject=True, block_norm="sandwich")
+    norms = [n for n in m.modules() if isinstance(n, torch.nn.LayerNorm)]
+    assert len(norms) == 4 * 2 + 1 and all(n.bias is not None for n in norms)  # 4 per sandwich block, ln_f
+    linears = [n for n in m.modules() if isinstance(n, torch.nn.Linear) and n is not m.lm_head]
+    assert linears and all(n.bias is not None and not n.bias.any() for n in linears)  # "normal" init: biases 0
+    idx, _ = batch()
+    h0 = m.embed(idx)
+    stack = lambda h: m.blocks[1](m.blocks[0](h))
+    H1, H2 = m.loop_states(idx, 2)
+    assert torch.allclose(H1, stack(h0), atol=1e-6)          # loop 1: F(H_0), not F(2·H_0)
+    assert torch.allclose(H2, stack(H1 + h0), atol=1e-6)     # later loops: F(H_k + H_0)
 
 
 def test_runs_beyond_training_depth_and_state_count():
@@ -214,3 +234,26 @@ def test_loop_norm_sits_on_the_recurrent_path_only():
             assert torch.allclose(m.step(states[k - 1], m.embed(idx)), states[k], atol=1e-5)  # step carries it in
             assert torch.allclose(m.step(nxt, m.embed(idx), first=True), states[k], atol=1e-5)
         assert torch.allclose(states[0], m.step(m.embed(idx), m.embed(idx), first=True), atol=1e-6)  # loop 1: H_0 as is
+
+
+def test_checkpointed_per_loop_ce_holds_no_vocabulary_sized_activation():
+    # what autograd keeps for backward, by shape: without checkpointing one (B, T, V) log-softmax per
+    # loop, K of them; with it none, at any depth. Same loss and gradients.
+    m = tiny(per_loop_ce=True)
+    idx, tgt = batch()
+    V = m.config.vocab_size
+
+    def kept(K, checkpoint):
+        big = []
+        pack = lambda t: big.append(t.dim() > 0 and t.shape[-1] == V and t.numel() >= idx.numel() * V) or t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _, loss = m.objective(m.loop_states(idx, K), tgt, checkpoint)
+        m.zero_grad()
+        loss.backward()
+        return sum(big), loss.item(), m.blocks[0].attn.c_attn.weight.grad.clone()
+
+    for K in (2, 6):
+        n, loss, grad = kept(K, False)
+        n_ck, loss_ck, grad_ck = kept(K, True)
+        assert n >= K and n_ck == 0
+        assert abs(loss - loss_ck) < 1e-6 and torch.allclose(grad, grad_ck, atol=1e-6)

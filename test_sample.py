@@ -159,6 +159,14 @@ def test_sample_cli(tmp_path, one_thread):
     assert "Traceback" not in r.stderr
     assert sample.main(["--out_dir", str(tmp_path / "missing")]) == 1
     assert sample.main(["--out_dir", str(tmp_path), "--exit", "margin"]) == 2  # no threshold
+    # unreadable prompts and unsupported devices: one line each, naming the real cause
+    (tmp_path / "latin.txt").write_bytes("café".encode("latin-1"))
+    for argv, code, msg in ((["--start", f"FILE:{tmp_path / 'latin.txt'}"], 1, "is not UTF-8 text (byte 0xe9 at offset 3)"),
+                            (["--start", f"FILE:{tmp_path}"], 1, "is a folder"),
+                            (["--device", "mps"], 2, "--device mps is not supported"),
+                            (["--eval_seqs", "3000000", "--calibrate"], 2, "--eval_seqs 3000000 is invalid")):
+        r = subprocess.run([sys.executable, script, "--out_dir", str(tmp_path), *argv], capture_output=True, text=True)
+        assert r.returncode == code and r.stderr.count("\n") == 1 and msg in r.stderr, (argv, r.stderr)
     with contextlib.redirect_stdout(io.StringIO()) as f:
         assert sample.main(["--out_dir", str(tmp_path), "--start", "ab", "--num_samples", "2", "--max_new_tokens", "8",
                             "--exit", "max_prob", "--exit_threshold", "0", "--device", "cpu"]) == 0
@@ -174,7 +182,7 @@ def test_sample_answers_addition_after_training(tmp_path, one_thread, capsys):
     assert train.main([os.path.join(here, "config/addition_cpu.py"), "--digits", "2", "--n_embd", "64",
                        "--mlp_hidden", "256", "--n_loops", "2", "--batch_size", "128", "--learning_rate", "3e-3",
                        "--min_lr", "3e-4", "--max_iters", "500", "--warmup_iters", "20", "--eval_loops", "2",
-                       "--eval_problems", "200", "--eval_interval", "500", "--log_interval", "500",
+                       "--eval_problems", "80", "--eval_interval", "500", "--log_interval", "500",
                        "--num_threads", "1", "--out_dir", d]) == 0
     right = 0
     for a, b in ((12, 34), (99, 99), (57, 68), (10, 10), (45, 55), (23, 89), (70, 31), (66, 66), (18, 27), (91, 19)):
@@ -188,7 +196,7 @@ def test_sample_answers_addition_after_training(tmp_path, one_thread, capsys):
     # batch-1 cached greedy decoding agrees exactly with the teacher-forced parallel verdict
     ckpt = report.load_checkpoint(d)
     model = report.model_from_checkpoint(ckpt)
-    x, y = sample.eval_data(ckpt, model, 100)
+    x, y = sample.eval_data(ckpt, model, 80)
     fixed = sample.adaptive_eval(sample.loop_table(model, x, y, 2, "max_prob"), "max_prob", 2.0)[0]
     assert abs(sample.decode_forced(model, x, y, 2)["exact"] - fixed["exact"]) < 1e-6 and fixed["exact"] >= 0.8
 

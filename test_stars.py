@@ -40,6 +40,48 @@ def test_stars_linear_step_known_spectrum():
     assert abs(stars.spectral_radius(g, h, iters=40, generator=torch.Generator().manual_seed(2)) - 1.2) < 0.012
 
 
+def test_stars_rho_at_chosen_positions_is_their_diagonal_blocks():
+    # a causal map over 3 positions of width 4: J is block lower-triangular, so its eigenvalues are
+    # those of the diagonal blocks. Position 0 (say, padding) has ρ 1.5; positions 1 and 2 (the answer)
+    # have a rotating complex pair of modulus 0.9 and a real 0.7. The masked ρ must be 0.9, not 1.5.
+    g = torch.Generator().manual_seed(0)
+    c, s = math.cos(0.7), math.sin(0.7)
+    blocks = [torch.diag(torch.tensor([1.5, 0.2, 0.1, -0.3], dtype=torch.float64)),
+              torch.block_diag(0.9 * torch.tensor([[c, -s], [s, c]], dtype=torch.float64),
+                               torch.diag(torch.tensor([0.5, -0.4], dtype=torch.float64))),
+              torch.diag(torch.tensor([0.7, -0.6, 0.3, 0.0], dtype=torch.float64))]
+    J = torch.zeros(12, 12, dtype=torch.float64)
+    for i in range(3):
+        for j in range(i + 1):
+            J[4 * i:4 * i + 4, 4 * j:4 * j + 4] = blocks[i] if i == j else 0.8 * torch.randn(4, 4, generator=g, dtype=torch.float64)
+    assert abs(torch.linalg.eigvals(J).abs().max().item() - 1.5) < 1e-9
+    f = lambda h: (h.flatten(1) @ J.T).view_as(h)
+    h = torch.zeros(5, 3, 4, dtype=torch.float64)
+    mask = torch.tensor([False, True, True]).expand(5, 3)
+    assert abs(stars.spectral_radius(f, h, iters=60, generator=g) - 1.5) < 0.02
+    assert abs(stars.spectral_radius(f, h, iters=60, generator=g, mask=mask) - 0.9) < 0.02
+    # the penalty with that mask: v and Jv live at the masked positions only
+    pen, _ = stars.jsrr_penalty(f, h, generator=g, mask=mask)
+    Jm = J[4:, 4:]
+    exact = Jm.pow(2).sum().item() / 8  # E‖P J P v‖² for unit isotropic v on the 8 masked coordinates
+    many = stars.jsrr_penalty(f, torch.zeros(4000, 3, 4, dtype=torch.float64), generator=g,
+                              mask=torch.tensor([False, True, True]).expand(4000, 3))[0].item()
+    assert abs(many / exact - 1) < 0.05 and pen.item() > 0
+
+
+@pytest.mark.parametrize("mode", ["jvp", "vjp"])
+def test_stars_penalty_power_iterations_aim_at_the_dominant_eigenvalue(mode):
+    # symmetric A with eigenvalues 0.95 and the rest spread in [-0.5, 0.5]: one iteration gives the mean
+    # squared eigenvalue, more iterations tend to the dominant one squared
+    eigs = [0.95] + torch.linspace(-0.5, 0.5, 15).tolist()
+    A, f = _linear_step(eigs)
+    H = torch.zeros(500, 16, dtype=torch.float64)
+    one = stars.jsrr_penalty(f, H, mode=mode, generator=torch.Generator().manual_seed(1))[0].item()
+    many = stars.jsrr_penalty(f, H, mode=mode, generator=torch.Generator().manual_seed(1), iters=30)[0].item()
+    assert abs(one - sum(e * e for e in eigs) / 16) < 0.02
+    assert abs(many - 0.95 ** 2) < 0.01, many
+
+
 @pytest.mark.parametrize("mode", ["jvp", "vjp"])
 def test_stars_penalty_grad_reaches_every_block_parameter(mode):
     m = tiny(block_norm="sandwich", inject=True)
@@ -98,6 +140,9 @@ def test_stars_sample_loops_deterministic_and_exact_mean():
     assert abs(sum(ts) / len(ts) / exact - 1) < 0.02, (sum(ts) / len(ts), exact)
     assert stars.sample_loops(None, kind="fixed", loop_max=4) == (4, None)
     assert all(b is None for _, b in draw(0, 10, mu=mu, sigma=sigma))
+    # Paper B's lognormal with truncated backprop: the same depths, gradient through the last b = min(t, 4)
+    assert [t for t, _ in draw(0, 200, mu=mu, sigma=sigma, grad_loops=4)] == ts[:200]
+    assert all(b == min(t, 4) for t, b in draw(0, 200, mu=mu, sigma=sigma, grad_loops=4))
     # Huginn: (t, b) with gradient through the last b = min(t, grad_loops) loops, E[t] = loop_mean + 1
     splits = draw(1, 2000, kind="poisson_lognormal", sigma=0.5, loop_mean=32, grad_loops=8, loop_max=1000)
     for t, b in splits:

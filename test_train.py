@@ -1,5 +1,6 @@
 """Tests of train.py: training, resume, checkpoints, bad input. Fast unless marked slow: `python -m pytest -q -m "not slow"`."""
 import dataclasses
+import io
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ import torch
 import report
 import stars
 import train
-from conftest import HERE, TRAIN_ENV, TRAIN_TINY, copy_run, file_bytes, one_error_line, run_train, train_losses
+from conftest import HERE, TRAIN_ENV, TRAIN_TINY, copy_run, file_bytes, one_error_line, run_train, tiny, train_losses
 from looplm import LoopLM, LoopLMConfig
 
 pytestmark = pytest.mark.slow  # every test here trains, or runs train.py in a subprocess
@@ -37,6 +38,123 @@ def test_train_stars_rows_puts_the_penalty_on_that_many_sequences(train_data_arg
         assert run_train(TRAIN_TINY + train_data_args + stars_args + ["--stars_rows", rows, "--out_dir", tmp_path / rows]) == 0
         assert seen == [want, want], (rows, seen)  # steps 2 and 3: after the warm-up
         assert all("jv_norm" in r for r in train_losses(tmp_path / rows)[1:])
+
+def test_train_step_reads_the_device_only_at_log_steps(train_data_args, tmp_path, monkeypatch):
+    # a GPU step must not wait for the host: no .item()/.tolist()/.cpu()/.numpy() in the training step
+    # (train.py, stars.py, looplm.py), except at the log steps. The depth sampler's draw from its
+    # CPU generator is host-side work, not a device read, and is left out.
+    reads = []
+    HOST = {"item", "tolist", "cpu", "numpy"}
+
+    def profile(frame, event, arg):
+        if event == "c_call" and getattr(arg, "__name__", "") in HOST and frame.f_code.co_name != "sample_loops" \
+                and os.path.basename(frame.f_code.co_filename) in ("train.py", "stars.py", "looplm.py"):
+            reads.append((arg.__name__, frame.f_code.co_name))
+    monkeypatch.setattr(train, "evaluate_and_save", lambda *a: None)
+    argv = TRAIN_TINY + train_data_args + ["--out_dir", tmp_path / "run", "--max_iters", "8", "--log_interval", "4",
+                                           "--stars_lambda", "0.1", "--stars_warmup", "0", "--loop_sampling", "lognormal",
+                                           "--loop_max", "4", "--eval_interval", "100"]
+    sys.setprofile(profile)
+    try:
+        assert run_train(argv) == 0
+    finally:
+        sys.setprofile(None)
+    # steps 4 and 8: one read of the logged numbers, one of ‖Jv‖
+    assert sorted(reads) == [("item", "train"), ("item", "train"), ("tolist", "train"), ("tolist", "train")], reads
+
+
+def test_train_pads_large_vocabularies_and_sampling_never_picks_a_pad_row():
+    assert [train.padded_vocab(n) for n in (50_257, 50_304, 50_305)] == [50_304, 50_304, 50_368]
+    from sample import generate
+    m = tiny()  # 61 rows; pretend the tokenizer has 40 and push every logit towards the pad rows
+    with torch.no_grad():
+        m.wte.weight[40:] *= 50
+    x = torch.zeros(4, 3, dtype=torch.long)
+    free, _ = generate(m, x, 20, 2, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    kept, _ = generate(m, x, 20, 2, temperature=1.0, generator=torch.Generator().manual_seed(0), vocab=40)
+    assert (free[:, 3:] >= 40).any() and (kept[:, 3:] < 40).all()
+
+
+def test_train_fresh_run_keeps_the_older_run_until_it_saves_and_refuses_another_shape(trained_run, train_data_args,
+                                                                                     tmp_path, monkeypatch, capsys):
+    out = copy_run(trained_run, tmp_path / "run")
+    before = file_bytes(*(os.path.join(out, f) for f in ("ckpt.pt", "log.jsonl", "report.json")))
+    # a run of another shape is refused, in one line, and touches nothing
+    assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--n_embd", 64]) == 2
+    assert "holds a run of another shape (n_embd 32)" in one_error_line(capsys)
+    # a run of the same shape that fails before its first save leaves the older run whole, log included
+    real = LoopLM.objective
+    monkeypatch.setattr(LoopLM, "objective", lambda self, *a: (None, real(self, *a)[1] * float("nan")))
+    assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out]) == 1
+    assert "non-finite" in one_error_line(capsys)
+    assert file_bytes(*(os.path.join(out, f) for f in ("ckpt.pt", "log.jsonl", "report.json"))) == before
+    assert sorted(os.listdir(out)) == sorted(os.listdir(trained_run))  # no log.jsonl.new left behind
+    monkeypatch.setattr(LoopLM, "objective", real)
+    # with --overwrite the other shape replaces it; its log starts afresh once it saves
+    assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--n_embd", 64, "--overwrite"]) == 0
+    assert report.load_checkpoint(out)["model_args"]["n_embd"] == 64
+    assert [r["iter"] for r in train_losses(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_train_stale_temporary_files_of_killed_saves_are_cleaned(trained_run, train_data_args, tmp_path):
+    out = copy_run(trained_run, tmp_path / "run")
+    dead = 2**22 + 12345  # above Linux's default pid_max: no such process
+    for name in ("ckpt.pt", "report.json"):
+        open(os.path.join(out, f"{name}.{dead}.tmp"), "wb").write(b"half a file")
+    assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--init_from", "resume", "--max_iters", 9]) == 0
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
+def test_train_ctrl_c_while_evaluating_stops_at_once_and_names_the_saved_checkpoint(trained_run, train_data_args,
+                                                                                   tmp_path, monkeypatch, capsys):
+    out = copy_run(trained_run, tmp_path / "run")
+    real, calls = report.evaluate, []
+
+    def interrupted(*a, **k):  # the user presses Ctrl-C during the second evaluation
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises before this ends
+            raise AssertionError("Ctrl-C ignored")
+        return real(*a, **k)
+    monkeypatch.setattr(report, "evaluate", interrupted)
+    argv = TRAIN_TINY + train_data_args + ["--out_dir", out, "--init_from", "resume", "--max_iters", 12]
+    assert run_train(argv) == 130
+    msg = one_error_line(capsys)
+    assert msg == f"train.py: interrupted; {os.path.join(out, 'ckpt.pt')} holds step 9", msg
+    assert report.load_checkpoint(out)["iter_num"] == 9
+
+
+def test_train_piped_into_a_closed_pipe_trains_to_the_end(train_data_args, tmp_path, monkeypatch):
+    class Closed(io.StringIO):
+        def write(self, s):
+            raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", tmp_path / "run"]) == 0
+    assert report.load_checkpoint(tmp_path / "run")["iter_num"] == 6
+
+
+def test_train_resume_needs_a_full_checkpoint(trained_run, train_data_args, tmp_path, capsys):
+    out = copy_run(trained_run, tmp_path / "run")
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    del ckpt["optimizer"]
+    torch.save(ckpt, os.path.join(out, "ckpt.pt"))
+    assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--init_from", "resume", "--max_iters", 9]) == 1
+    assert "has no optimizer state: it can be evaluated (--eval_only) or sampled, not resumed" in one_error_line(capsys)
+
+
+def test_train_addition_stream_ignores_evaluation_settings_and_curriculum_starts_deep_later(tmp_path):
+    # the held-out set's size must not change which problems the run trains on; the depth
+    # curriculum trains at n_loops until --loop_start, then samples
+    args = ["--task", "addition", "--digits", 2, "--n_embd", 32, "--n_head", 4, "--n_layer", 1, "--n_loops", 2,
+            "--batch_size", 16, "--max_iters", 6, "--log_interval", 1, "--eval_interval", 6, "--eval_loops", 2,
+            "--loop_sampling", "lognormal", "--loop_mu", 1.5, "--loop_max", 8, "--loop_start", 3, "--device", "cpu"]
+    for n in (20, 60):
+        assert run_train(args + ["--eval_problems", n, "--out_dir", tmp_path / str(n)]) == 0
+    a, b = train_losses(tmp_path / "20"), train_losses(tmp_path / "60")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b] and len(a) == 6
+    assert [r["loops"] for r in a[:3]] == [2, 2, 2] and {r["loops"] for r in a[3:]} != {2}
+
 
 @pytest.mark.parametrize("case", TRAIN_RESUME_CASES)
 def test_train_resume_replays_the_uninterrupted_run_exactly(case, train_data_args, trained_run, tmp_path):
@@ -115,8 +233,8 @@ def test_train_non_finite_loss_stops_and_keeps_last_good_checkpoint(train_data_a
 
     calls = []
 
-    def objective(self, states, targets):
-        logits, loss = real_objective(self, states, targets)
+    def objective(self, states, targets, checkpoint=False):
+        logits, loss = real_objective(self, states, targets, checkpoint)
         calls.append(1)
         return logits, loss * float("nan") if len(calls) == 4 else loss  # step 4 blows up
     monkeypatch.setattr(report, "save_checkpoint", recording_save)
@@ -170,10 +288,13 @@ class Recorded(train.LoopLM):  # keep a handle on the model each rank trains
         models.append(self)
 
 train.LoopLM = Recorded
+depths, sample_loops = [], train.stars.sample_loops
+train.stars.sample_loops = lambda *a: depths.append(sample_loops(*a)) or depths[-1]  # each rank's depths
 
 rc = train.main(sys.argv[1:])
 
-torch.save(models[-1].state_dict(), os.path.join(os.environ["RANK_DIR"], f"rank{{os.environ['RANK']}}.pt"))
+torch.save({{"model": models[-1].state_dict(), "depths": depths}},
+           os.path.join(os.environ["RANK_DIR"], f"rank{{os.environ['RANK']}}.pt"))
 
 sys.exit(rc)
 
@@ -183,24 +304,29 @@ def test_train_two_process_gloo_ddp_keeps_ranks_identical(train_data_args, tmp_p
     wrapper = tmp_path / "ddp_wrapper.py"
     wrapper.write_text(TRAIN_DDP_WRAPPER.format(here=HERE))
     out = str(tmp_path / "run")
-    # a cold cache: both ranks tokenize at the same time
-    args = [*TRAIN_TINY, *train_data_args[:4], "--cache_dir", str(tmp_path / "cache"), "--learning_rate", "1e-2"]
+    # a cold cache: both ranks tokenize at the same time. Sampled depths; Paper A's epochs of windows,
+    # so that rank r's batch is micro-batch r of one process with 2 accumulation steps
+    args = [*TRAIN_TINY, *train_data_args[:4], "--cache_dir", str(tmp_path / "cache"), "--learning_rate", "1e-2",
+            "--window_stride", "16", "--loop_sampling", "lognormal", "--loop_mu", "0.7", "--loop_max", "4"]
     env = {**TRAIN_ENV, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "RANK_DIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), str(wrapper), *args, "--out_dir", out]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
-    w0, w1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    (w0, d0), (w1, d1) = [torch.load(tmp_path / f"rank{r}.pt").values() for r in (0, 1)]
     assert all(torch.equal(w0[k], w1[k]) for k in w0)  # gradients were averaged: the replicas never drifted
+    assert d0 == d1 and len(d0) == 6 and len(set(d0)) > 1  # every step, both ranks ran the same (sampled) depth
     ckpt = report.load_checkpoint(out)
     assert all(torch.equal(w0[k], ckpt["model"][k]) for k in w0) and ckpt["iter_num"] == 6
     losses = [row["loss"] for row in train_losses(out)]
     assert len(losses) == 6 and sum(losses[-2:]) / 2 < losses[0] - 0.3, losses  # training made progress
-    # rank 1 trained on its own batches: the result differs from one process doing the same steps
+    # the average over 2 ranks is one process's gradient over both batches (2 accumulation steps)
     single = str(tmp_path / "single")
-    assert run_train(args + ["--out_dir", single]) == 0
+    assert run_train(args + ["--gradient_accumulation_steps", "2", "--out_dir", single]) == 0
     ws = report.load_checkpoint(single)["model"]
-    assert not torch.allclose(ws["wte.weight"], w0["wte.weight"])
+    assert all(torch.allclose(ws[k], w0[k], atol=1e-5) for k in w0)
+    assert [r["loops"] for r in train_losses(single)] == [t for t, _ in d0]
+    assert torch.allclose(torch.tensor(losses), torch.tensor([r["loss"] for r in train_losses(single)]), atol=1e-5)
 
 
 # bad input -> (exit code, a piece of the one-line message). Every case runs with --out_dir {dir}, a copy of
@@ -304,18 +430,28 @@ def test_train_help_lists_every_option_with_default_and_meaning(capsys):
     assert "[256]" in lines["block_size"] and "['gpt2']" in lines["tokenizer"] and "(>= 0.0 and <= 0.9999)" in lines["beta1"]
 
 
-def test_train_every_numeric_option_rejects_nan_inf_and_out_of_range(capsys):
-    # every numeric field, present and future, is checked by configurator.check: one line, exit 2
-    for f in dataclasses.fields(train.TrainConfig) + dataclasses.fields(LoopLMConfig):
+@pytest.mark.parametrize("cli", ["train", "sample", "bench"])
+def test_every_numeric_option_of_every_command_rejects_nan_inf_and_out_of_range(cli, capsys):
+    # every numeric field, present and future, of train.py, sample.py and bench.py states its range once and is
+    # checked by configurator.check: nan, inf, below, above, a non-number -> one line, exit 2
+    import bench
+    import sample
+    main, classes = {"train": (train.main, (train.TrainConfig, LoopLMConfig)), "sample": (sample.main, (sample.SampleConfig,)),
+                     "bench": (bench.cli, (bench.BenchConfig,))}[cli]
+    checked = 0
+    for f in [f for c in classes for f in dataclasses.fields(c)]:
         m = f.metadata
-        if type(f.default) not in (int, float) or f.name == "vocab_size":
+        if m.get("type") not in (int, float) or not m.get("help"):
             continue
-        bad = ["nan", "inf", "-inf"] if type(f.default) is float else []
-        bad += [str(m["lo"] - 1)] if m["lo"] is not None else []
-        bad += [str(m["hi"] * 10 + 1)] if m["hi"] is not None else []
+        assert (m["lo"] is not None or m["above"] is not None) and m["hi"] is not None, f"--{f.name} states no range"
+        bad = (["nan", "inf", "-inf"] if m["type"] is float else ["1.5"]) + ["many"]
+        bad += [str(m["lo"] - 1)] if m["lo"] is not None else [str(m["above"])]
+        bad += [str(m["hi"] * 10 + 1)]
         for v in bad:
-            assert train.main([f"--{f.name}", v]) == 2, (f.name, v)
+            assert main([f"--{f.name}", v]) == 2, (f.name, v)
             assert f"--{f.name} " in one_error_line(capsys), (f.name, v)
+            checked += 1
+    assert checked > 20
 
 
 def test_train_boolean_options_accept_explicit_values():

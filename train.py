@@ -12,6 +12,7 @@ Settings come from, in order: the defaults below (the model's are looplm.LoopLMC
 44M shape), config/*.py files of plain assignments, then --name value options. With --init_from
 resume the checkpoint's settings are used, except those given on the command line.
 """
+import datetime
 import json
 import math
 import os
@@ -26,7 +27,7 @@ import torch
 import data
 import report
 import stars
-from configurator import RENAMED, RunError, UsageError, check, parse, setting
+from configurator import RENAMED, QuietPipe, RunError, UsageError, check, parse, setting
 from looplm import LoopLM, LoopLMConfig, token_norms
 
 
@@ -38,10 +39,11 @@ class TrainConfig:
     out_dir: str = setting("out", "where ckpt.pt, log.jsonl, report.json and the plots go")
     init_from: str = setting("scratch", "scratch, or resume from out_dir/ckpt.pt", choices=("scratch", "resume"))
     eval_only: bool = setting(False, "evaluate the checkpoint in out_dir and exit (with --init_from resume)")
-    eval_interval: int = setting(500, "evaluate and checkpoint every N steps", lo=1)
-    log_interval: int = setting(10, "print and log a row every N steps", lo=1)
+    eval_interval: int = setting(500, "evaluate and checkpoint every N steps", lo=1, hi=10**12)
+    log_interval: int = setting(10, "print and log a row every N steps", lo=1, hi=10**12)
     eval_iters: int = setting(20, "validation batches per evaluation (LM task)", lo=1, hi=100_000)
     always_save_checkpoint: bool = setting(True, "save at every evaluation, not only when the validation loss improves")
+    overwrite: bool = setting(False, "from scratch, replace a run of another shape in out_dir (otherwise refused)")
     compare: str = setting("", "comma-separated run folders: print a table of their reports, overlay their plots in "
                                "out_dir, and exit")
     # data
@@ -59,22 +61,22 @@ class TrainConfig:
     cache_dir: str = setting("data_cache", "where tokenized datasets are cached as memmaps")
     digits: int = setting(4, "operand digits of the addition task", lo=2, hi=8)
     window_stride: int = setting(0, "0: random windows (nanoGPT) | S: Paper A's epochs of windows starting every S "
-                                    "tokens, shuffled (S = block_size/2: each token seen twice an epoch)", lo=0)
+                                    "tokens, shuffled (S = block_size/2: each token seen twice an epoch)", lo=0, hi=10**9)
     # optimization
-    batch_size: int = setting(64, "sequences per micro-batch", lo=1)
-    gradient_accumulation_steps: int = setting(1, "micro-batches per optimizer step", lo=1)
-    max_iters: int = setting(5000, "optimizer steps (set by --epochs when > 0)", lo=1)
+    batch_size: int = setting(64, "sequences per micro-batch", lo=1, hi=65536)
+    gradient_accumulation_steps: int = setting(1, "micro-batches per optimizer step", lo=1, hi=65536)
+    max_iters: int = setting(5000, "optimizer steps (set by --epochs when > 0)", lo=1, hi=10**12)
     epochs: float = setting(0.0, "passes over the training data; sets max_iters when > 0. An epoch is every window "
                                  "once (--window_stride), else as many tokens as the split holds", lo=0.0, hi=1e6)
     learning_rate: float = setting(3e-4, "peak AdamW learning rate", lo=0.0, hi=10.0)
     lr_schedule: str = setting("constant", "constant (Paper A) | cosine: linear warm-up, then decay to min_lr",
                                choices=("constant", "cosine"))
-    warmup_iters: int = setting(0, "linear warm-up steps", lo=0)
+    warmup_iters: int = setting(0, "linear warm-up steps", lo=0, hi=10**12)
     min_lr: float = setting(0.0, "final learning rate of the cosine schedule", lo=0.0, hi=10.0)
     weight_decay: float = setting(0.01, "AdamW weight decay (matrices and embeddings only)", lo=0.0, hi=10.0)
     beta1: float = setting(0.9, "AdamW beta1", lo=0.0, hi=0.9999)
     beta2: float = setting(0.999, "AdamW beta2", lo=0.0, hi=0.99999)
-    grad_clip: float = setting(1.0, "clip the gradient norm to this (0 = off)", lo=0.0)
+    grad_clip: float = setting(1.0, "clip the gradient norm to this (0 = off)", lo=0.0, hi=1e6)
     # depth during training (Paper B)
     loop_sampling: str = setting("fixed", "fixed: n_loops | lognormal: clip(round(LogNormal(mu, sigma)), 1, loop_max) "
                                  "| poisson_lognormal: Huginn's, mean loop_mean", choices=stars.KINDS)
@@ -82,27 +84,35 @@ class TrainConfig:
     loop_sigma: float = setting(0.7, "lognormal and poisson_lognormal: sigma", lo=0.0, hi=10.0)
     loop_max: int = setting(100, "the largest sampled number of loops", lo=1, hi=100_000)
     loop_mean: float = setting(4.0, "poisson_lognormal: mean number of loops", above=0.0, hi=100_000.0)
-    grad_loops: int = setting(4, "poisson_lognormal: truncated backprop, gradient through the last N loops only", lo=1)
+    loop_start: int = setting(0, "sample depths from this step on; before it train at n_loops (a curriculum: the shallow "
+                                 "task first; Paper B: 0)", lo=0, hi=10**12)
+    grad_loops: int = setting(0, "sampled depths: truncated backprop, gradient through the last N loops only (0: every "
+                                 "loop, as Paper B; Huginn: 8)", lo=0, hi=100_000)
     stars_lambda: float = setting(0.0, "STARS: weight of the Jacobian penalty (Paper B: 0.1; 0 = off)", lo=0.0, hi=1.0)
-    stars_warmup: int = setting(2000, "steps before the STARS penalty is switched on", lo=0)
+    stars_warmup: int = setting(2000, "steps before the STARS penalty is switched on", lo=0, hi=10**12)
     stars_mode: str = setting("vjp", "vjp: as Paper B's code | jvp: forward-mode AD", choices=stars.MODES)
     stars_rows: int = setting(0, "the STARS penalty on the first N sequences of each micro-batch only (0 = all, as "
-                                 "Paper B): an unbiased estimate of the same mean at a fraction of the cost", lo=0)
-    checkpoint_loops: bool = setting(False, "activation checkpointing per loop: training memory flat in the depth")
+                                 "Paper B): an unbiased estimate of the same mean at a fraction of the cost", lo=0, hi=65536)
+    stars_iters: int = setting(1, "power iterations inside the STARS penalty (Paper B's spectral_iters: 1)", lo=1, hi=100)
+    stars_supervised: bool = setting(False, "the STARS penalty at supervised positions only (Paper B: every position)")
+    stars_deep: int = setting(0, "the STARS penalty at loop N's state, reached without gradient from the sampled depth "
+                                 "(0: at the sampled depth, as Paper B)", lo=0, hi=100_000)
+    checkpoint_loops: bool = setting(False, "activation checkpointing per loop (the step and, with per-loop CE, the "
+                                            "readout): training memory flat in the depth")
     # evaluation
     eval_loops: int = setting(0, "evaluate loops 1..N (0: n_loops; addition: 32)", lo=0, hi=100_000)
     eval_problems: int = setting(1000, "held-out addition problems for exact match", lo=1, hi=1_000_000)
-    sample_tokens: int = setting(0, "at the end, print a sample of this many tokens (temperature 0.8; LM task)", lo=0)
+    sample_tokens: int = setting(0, "at the end, print a sample of this many tokens (temperature 0.8; LM task)", lo=0, hi=10**6)
     # system
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = setting("auto", "auto: bfloat16 on CUDA, float32 on CPU", choices=("auto", "float32", "bfloat16"))
     compile: bool = setting(False, "torch.compile the loop step (the STARS penalty stays eager)")
-    seed: int = setting(1337, "random seed: init, data order, dropout, sampled depths", lo=0)
+    seed: int = setting(1337, "random seed: init, data order, dropout, sampled depths", lo=0, hi=2**32 - 1)
     num_threads: int = setting(0, "CPU threads (0 = torch's default)", lo=0, hi=4096)
 
 
 # model settings that shape the weights: a resumed run cannot change them
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "mlp", "mlp_hidden", "block_norm", "loop_norm")
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "mlp", "mlp_hidden", "block_norm", "loop_norm", "norm", "bias")
 
 
 def settings(argv):
@@ -132,7 +142,8 @@ def setup_device(cfg):
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise UsageError(f"--device {device} is not supported; use auto, cpu, cuda or cuda:N")
     if world > 1:
-        torch.distributed.init_process_group("nccl" if "cuda" in device else "gloo")
+        # rank 0 evaluates and saves while the others wait in a collective: a long timeout
+        torch.distributed.init_process_group("nccl" if "cuda" in device else "gloo", timeout=datetime.timedelta(hours=2))
         if "cuda" in device:
             device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if "cuda" in device else "float32")
@@ -164,17 +175,20 @@ def resume_settings(cfg, model_args, given, ckpt):
 
 
 def load_data(cfg, model_args, ckpt):
-    """(train tokens, validation tokens, addition held-out codes, tokenizer metadata)."""
+    """(train tokens, validation tokens, tokenizer metadata)."""
     if cfg.task == "addition":
         need = data.addition_block_size(cfg.digits)
         model_args["block_size"] = need if ckpt is None else model_args["block_size"]
         if need > model_args["block_size"]:
             raise UsageError(f"--digits {cfg.digits} needs block_size {need}, more than the checkpoint's "
                              f"{model_args['block_size']}")
-        heldout = data.addition_heldout(cfg.digits, cfg.eval_problems, cfg.seed)[2].numpy()
+        try:  # the test set (training never draws it, whatever the evaluation settings: data.is_heldout)
+            data.addition_heldout(cfg.digits, cfg.eval_problems)
+        except ValueError as e:
+            raise UsageError(f"--eval_problems {cfg.eval_problems}: {e}") from None
         train_data, val_data, meta = None, None, {"kind": "addition"}
     else:
-        heldout, (train_data, val_data, meta) = None, data.prepare_data(cfg)
+        train_data, val_data, meta = data.prepare_data(cfg)
         for split, d in (("training", train_data), ("validation", val_data)):
             if len(d) <= model_args["block_size"] + 1:  # fail now, not after training at the first eval
                 raise RunError(f"the {split} split has {len(d)} tokens, fewer than block_size+1="
@@ -182,7 +196,13 @@ def load_data(cfg, model_args, ckpt):
     if ckpt is not None and {**ckpt["tokenizer"], "dtype": None} != {**meta, "dtype": None}:
         raise UsageError(f"the data's tokenizer ({meta['kind']}) is not the checkpoint's ({ckpt['tokenizer']['kind']}, "
                          "or a regex vocabulary fit on other text): token ids would not match the weights")
-    return train_data, val_data, heldout, meta
+    return train_data, val_data, meta
+
+
+def padded_vocab(n):
+    """GPT-2's 50,257 tokens -> 50,304 rows, a multiple of 64 (as nanoGPT), so that the readout's matmuls
+    align on a GPU. The extra rows are never targets, and sample.py never samples them."""
+    return -(-n // 64) * 64
 
 
 def build_model(cfg, mcfg, device, ckpt):
@@ -217,22 +237,32 @@ def lr_at(cfg, it, max_iters):
 def get_batch(cfg, run, g, micro):
     """This micro-step's (x, y) on the device: addition problems, random windows, or Paper A's epochs."""
     if cfg.task == "addition":
-        x, y, _ = data.addition_batch(cfg.batch_size, cfg.digits, g, exclude=run.heldout)
+        x, y, _ = data.addition_batch(cfg.batch_size, cfg.digits, g)
     elif cfg.window_stride:
         index = (run.iter_num * cfg.gradient_accumulation_steps + micro) * run.world + run.rank
         x, y = data.windows_batch(run.train_data, cfg.batch_size, run.block_size, cfg.window_stride, cfg.seed, index)
     else:
         x, y = data.get_batch(run.train_data, cfg.batch_size, run.block_size, g)
+    if "cuda" in run.device:  # page-locked: the copy runs asynchronously, the step does not wait for it
+        x, y = x.pin_memory(), y.pin_memory()
     return x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
 
 
 # ---------------------------------------------------------------- the training loop
 def train(cfg, run, model, optimizer):
     """Train from run.iter_num to run.max_iters. Returns the exit code."""
-    stop = {}  # Ctrl-C / SIGTERM: finish the step, save, exit 130 / 143 (torchrun signals every rank)
-    old_handlers = {s: signal.signal(s, lambda sig, _: stop.setdefault("sig", sig)) for s in (signal.SIGINT, signal.SIGTERM)}
+    # Ctrl-C / SIGTERM while training: finish the step, save, exit 130 / 143 (torchrun signals every rank).
+    # While evaluating, the signal interrupts at once (main() says what is saved)
+    stop = {}
+
+    def on_signal(sig, _):
+        if stop.get("evaluating"):
+            raise KeyboardInterrupt
+        stop.setdefault("sig", sig)
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     model.train()
     t0, t_start, it0 = time.perf_counter(), time.perf_counter(), run.iter_num
+    first_bad = torch.zeros((), dtype=torch.long, device=run.device)  # the first step with a non-finite loss
     try:
         while run.iter_num < run.max_iters:
             it = run.iter_num
@@ -243,58 +273,76 @@ def train(cfg, run, model, optimizer):
             # The depth comes from (seed, step) alone: every rank runs the same depth.
             torch.manual_seed(cfg.seed * 1_000_003 + it * 1009 + run.rank)  # dropout
             g = stars.step_generator(cfg.seed, it)
-            loop_max = cfg.loop_max if cfg.loop_sampling != "fixed" else model.config.n_loops
-            n_loops, grad_loops = stars.sample_loops(g, cfg.loop_sampling, cfg.loop_mu, cfg.loop_sigma, loop_max,
-                                                     cfg.loop_mean, cfg.grad_loops)
+            kind = cfg.loop_sampling if it >= cfg.loop_start else "fixed"
+            loop_max = cfg.loop_max if kind != "fixed" else model.config.n_loops
+            n_loops, grad_loops = stars.sample_loops(g, kind, cfg.loop_mu, cfg.loop_sigma, loop_max, cfg.loop_mean,
+                                                     cfg.grad_loops)
             if run.rank:  # each rank its own batches
                 g = stars.step_generator(cfg.seed + 7919 * run.rank, it)
             lam = stars.lambda_at(it, cfg.stars_lambda, cfg.stars_warmup)
-            logged = torch.zeros(2, device=run.device)  # loss, mean ‖H_K‖: read once per step, not per micro-step
+            # the penalty's random direction: drawn on the device (from the step's CPU generator on CPU)
+            pg = g if run.device == "cpu" else torch.Generator(run.device).manual_seed(cfg.seed * 1_000_003 + it + 7919 * run.rank)
+            logged = torch.zeros(3, device=run.device)  # loss, mean ‖H_K‖, signalled: read at log steps only
             jv_norm = None
             for micro in range(cfg.gradient_accumulation_steps):
                 x, y = get_batch(cfg, run, g, micro)
                 with run.ctx:
                     loss, states, jv = stars.training_loss(model, x, y, n_loops, grad_loops, lam, cfg.stars_mode,
-                                                           cfg.stars_rows, g, cfg.checkpoint_loops)
+                                                           cfg.stars_rows, pg, cfg.checkpoint_loops, cfg.stars_iters,
+                                                           cfg.stars_supervised, cfg.stars_deep)
                 (loss / cfg.gradient_accumulation_steps).backward()
-                logged += torch.stack([loss.detach().float(), token_norms(states[-1].detach()).mean()]) \
+                logged[:2] += torch.stack([loss.detach().float(), token_norms(states[-1].detach()).mean()]) \
                     / cfg.gradient_accumulation_steps
                 jv_norm = jv.mean() if jv is not None else None
+            if "sig" in stop:
+                logged[2] = 1.0
             if run.world > 1:  # average the gradients and the logged numbers over ranks
-                # a plain all-reduce per tensor, not DDP: the STARS penalty's double backward defeats DDP's hooks
-                for p in model.parameters():
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.AVG)
-                torch.distributed.all_reduce(logged, op=torch.distributed.ReduceOp.AVG)
-            # clip (with grad_clip 0 just measure) the gradient norm: an inf/nan gradient must not reach the weights
+                all_reduce_mean(list(model.parameters()), logged)
+            # clip (with grad_clip 0 just measure) the gradient norm. A non-finite gradient must not reach the
+            # weights: fused AdamW skips its update on the device when found_inf is 1 (GradScaler's mechanism),
+            # so that no step waits for the host; the first bad step is remembered and reported at the next read
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-            loss_f, norm_K, grad_f = torch.cat([logged, grad_norm.reshape(1).float()]).tolist()  # one host sync a step
-            if not (math.isfinite(loss_f) and math.isfinite(grad_f)):
-                raise RunError(f"non-finite loss ({loss_f:.4g}, gradient norm {grad_f:.4g}) at step {it + 1}; stopping. "
-                               f"Last good checkpoint: {run.last_saved or 'none saved yet'} (left untouched). "
-                               "Lower --learning_rate or check the data")
+            bad = ~(torch.isfinite(grad_norm) & torch.isfinite(logged[0]))
+            optimizer.found_inf = bad.float()
+            first_bad = torch.where(bad & (first_bad == 0), it + 1, first_bad)
+            logged = torch.cat([logged, grad_norm.reshape(1).float()])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             run.iter_num += 1
-            if run.master and (run.iter_num % cfg.log_interval == 0 or run.iter_num == run.max_iters):
+            log_now = run.iter_num % cfg.log_interval == 0 or run.iter_num == run.max_iters
+            eval_now = run.iter_num % cfg.eval_interval == 0 or run.iter_num == run.max_iters
+            if log_now or eval_now:  # the only host syncs of the loop: here, at the log and eval intervals
+                loss_f, norm_K, signalled, grad_f, bad_step = torch.cat([logged, first_bad.reshape(1).float()]).tolist()
+                if bad_step:
+                    raise RunError(f"non-finite loss or gradient at step {bad_step:.0f} (the update was skipped; at step "
+                                   f"{run.iter_num}: loss {loss_f:.4g}, gradient norm {grad_f:.4g}); stopping. Last good "
+                                   f"checkpoint: {run.last_saved or 'none saved yet'} (left untouched). Lower "
+                                   "--learning_rate or check the data")
+            if run.master and log_now:
                 dt = time.perf_counter() - t0
                 tps = run.tokens_per_iter * cfg.log_interval / dt if run.iter_num % cfg.log_interval == 0 else 0
                 eta = (time.perf_counter() - t_start) / (run.iter_num - it0) * (run.max_iters - run.iter_num)
                 jv_f = None if jv_norm is None else jv_norm.item()
-                log_row(cfg, {"iter": run.iter_num, "loss": loss_f, "lr": lr, "loops": n_loops, "norm_K": norm_K,
+                report.append_log(run.log_path, {"iter": run.iter_num, "loss": loss_f, "lr": lr, "loops": n_loops, "norm_K": norm_K,
                               "tokens_per_s": tps, **({"jv_norm": jv_f} if jv_f is not None else {})})
                 print(f"step {run.iter_num}/{run.max_iters} loss {loss_f:.4f} | {tps:,.0f} tok/s | ETA {eta / 60:.1f} min"
                       f" | ‖H_K‖ {norm_K:.1f} | loops {n_loops}" + (f" | ‖Jv‖ {jv_f:.3f}" if jv_f is not None else ""),
                       flush=True)
                 t0 = time.perf_counter()
-            stopping = bool(stop)
-            if run.world > 1:  # every rank must take the same decision: was any of us signalled?
-                flag = torch.tensor([float(stopping)], device=run.device)
-                torch.distributed.all_reduce(flag)
-                stopping = flag.item() > 0
-            if run.master and (run.iter_num % cfg.eval_interval == 0 or run.iter_num == run.max_iters):
-                evaluate_and_save(cfg, run, model, optimizer)
+            # one process stops at once; ranks stop together, at a step where all of them read the
+            # averaged flag (any rank signalled), which they do at the log and eval steps
+            stopping = "sig" in stop if run.world == 1 else (log_now or eval_now) and signalled > 0
+            if eval_now:
+                ok = False
+                try:
+                    stop["evaluating"] = True
+                    if run.master:
+                        evaluate_and_save(cfg, run, model, optimizer)
+                    ok = True
+                    stop["evaluating"] = False
+                finally:  # the other ranks learn whether rank 0's evaluation and save went through
+                    if run.world > 1:
+                        rank0_ok(run, ok)
                 t0 = time.perf_counter()  # evaluation time is not training throughput
             if stopping:
                 if run.master:
@@ -304,6 +352,29 @@ def train(cfg, run, model, optimizer):
         for s, h in old_handlers.items():
             signal.signal(s, h)
     return 0
+
+
+def all_reduce_mean(params, logged):
+    """Average the gradients and the logged numbers over ranks in ONE collective over a flat buffer
+    (the bucket that DDP would build). Not DDP itself: its hooks fire during backward, and the STARS
+    penalty's double backward (create_graph) is not supported under them."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.flatten() for g in grads] + [logged])
+    torch.distributed.all_reduce(flat)
+    flat /= torch.distributed.get_world_size()
+    i = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[i:i + g.numel()].view_as(g)
+        i += g.numel()
+    logged.copy_(flat[i:])
+
+
+def rank0_ok(run, ok):
+    """Rank 0 evaluates and saves while the others wait here; if it failed, they stop too."""
+    flag = torch.tensor([float(ok)], device=run.device)
+    torch.distributed.broadcast(flag, src=0)
+    if not run.master and not flag.item():
+        raise RunError("rank 0 stopped during evaluation or saving (its message says why)")
 
 
 # ---------------------------------------------------------------- checkpoints, log, report
@@ -319,12 +390,14 @@ def evaluate_and_save(cfg, run, model, optimizer):
     print(f"step {run.iter_num}: ", end="")
     val_loss, rep = report.evaluate(model, cfg, run.val_data, run.device, run.ctx, final)
     rep["iter"] = run.iter_num
-    log_row(cfg, {"iter": run.iter_num, "val_loss": val_loss})
+    report.append_log(run.log_path, {"iter": run.iter_num, "val_loss": val_loss})
     improved = val_loss <= run.best_val
     run.best_val = min(run.best_val, val_loss)
     if cfg.always_save_checkpoint or improved:
         report.save_checkpoint(run.ckpt_path, make_ckpt(cfg, run, model, optimizer))
-        run.last_saved = run.ckpt_path
+        run.last_saved = SAVED["path"] = run.ckpt_path
+        SAVED["step"] = run.iter_num
+        adopt_log(run)
     if final:
         report.write_report(cfg.out_dir, rep)
 
@@ -334,23 +407,41 @@ def save_interrupted(cfg, run, model, optimizer):
     the best model, which an interrupted state must not replace, so it goes beside it."""
     path = run.ckpt_path if cfg.always_save_checkpoint else os.path.join(cfg.out_dir, "interrupted.pt")
     report.save_checkpoint(path, make_ckpt(cfg, run, model, optimizer))
+    SAVED["path"], SAVED["step"] = path, run.iter_num
+    adopt_log(run, "log.jsonl" if path == run.ckpt_path else "interrupted.log.jsonl")
     hint = ("continue with --init_from resume" if path == run.ckpt_path else
             f"{run.ckpt_path} keeps the best model; to continue from this state, move it over ckpt.pt and --init_from resume")
     print(f"interrupted: saved step {run.iter_num} to {path}; {hint}", file=sys.stderr)
 
 
-def log_row(cfg, row):
-    with open(os.path.join(cfg.out_dir, "log.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
+def adopt_log(run, name="log.jsonl"):
+    """A new run in a folder that holds an older run's log writes log.jsonl.new; it replaces the old
+    log only once the new run has saved something, so a run that fails early loses nothing."""
+    if run.log_path.endswith(".new"):
+        path = os.path.join(os.path.dirname(run.log_path), name)
+        os.replace(run.log_path, path)
+        run.log_path = path
 
 
-def trim_log(out_dir, iter_num):
-    """Keep the log's rows up to step iter_num: on resume the checkpoint's step (later rows belong to a
-    run that no longer exists), from scratch 0. A torn last line is dropped too."""
-    path = os.path.join(out_dir, "log.jsonl")
-    if os.path.exists(path):
-        rows = [r for r in report.read_log(out_dir) if r.get("iter", 0) <= iter_num]
-        data.atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+def guard_out_dir(cfg, model_args, ckpt_path):
+    """From scratch, an out_dir holding a run of another shape (or task) is not overwritten without
+    --overwrite: its checkpoint could not be resumed with these settings anyway."""
+    if cfg.init_from != "scratch" or cfg.overwrite or not os.path.exists(ckpt_path):
+        return
+    try:
+        old = report.load_checkpoint(ckpt_path)
+        saved = asdict(LoopLMConfig.from_dict(old["model_args"]))
+        diff = [f"{k} {saved[k]}" for k in ARCHITECTURE if saved[k] != model_args[k]]
+        if old["config"].get("task", "lm") != cfg.task:
+            diff.append(f"task {old['config'].get('task', 'lm')}")
+    except RunError:
+        diff = ["an unreadable checkpoint"]
+    if diff:
+        raise UsageError(f"{cfg.out_dir} holds a run of another shape ({', '.join(diff)}); pick another --out_dir, "
+                         "or --overwrite to replace it")
+
+
+SAVED = {}  # the last checkpoint this process wrote or resumed from: what a Ctrl-C message points at
 
 
 class RunState:
@@ -376,9 +467,18 @@ def start(cfg, model_args, given):
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     ckpt = report.load_checkpoint(ckpt_path) if cfg.init_from == "resume" else None
     if ckpt is not None:
+        if not cfg.eval_only and "optimizer" not in ckpt:
+            raise RunError(f"{ckpt_path} has no optimizer state: it can be evaluated (--eval_only) or sampled, not "
+                           "resumed; train from scratch in another --out_dir")
         cfg, model_args = resume_settings(cfg, model_args, given, ckpt)
-    train_data, val_data, heldout, meta = load_data(cfg, model_args, ckpt)
-    mcfg = LoopLMConfig(**{**model_args, "vocab_size": data.get_tokenizer(meta).vocab_size})
+    guard_out_dir(cfg, model_args, ckpt_path)
+    train_data, val_data, meta = load_data(cfg, model_args, ckpt)
+    vocab = data.get_tokenizer(meta).vocab_size
+    if ckpt is not None:
+        vocab = model_args["vocab_size"]
+    elif meta["kind"] == "gpt2":  # (Paper A's regex vocabulary stays exact: its 44M model's size)
+        vocab = padded_vocab(vocab)
+    mcfg = LoopLMConfig(**{**model_args, "vocab_size": vocab})
     model, optimizer = build_model(cfg, mcfg, device, ckpt)
     tokens_per_iter = cfg.batch_size * mcfg.block_size * cfg.gradient_accumulation_steps * world
     max_iters = cfg.max_iters
@@ -386,10 +486,16 @@ def start(cfg, model_args, given):
         per_epoch = (data.n_windows(len(train_data), mcfg.block_size, cfg.window_stride) * mcfg.block_size
                      if cfg.window_stride else len(train_data))
         max_iters = math.ceil(cfg.epochs * per_epoch / tokens_per_iter)
+    log_path = os.path.join(cfg.out_dir, "log.jsonl")
+    if ckpt is None and os.path.exists(log_path):  # an older run's log stays until this run saves (adopt_log)
+        log_path += ".new"
     run = RunState(device=device, ctx=ctx, rank=rank, world=world, master=rank == 0, train_data=train_data,
-              val_data=val_data, heldout=heldout, meta=meta, block_size=mcfg.block_size, ckpt_path=ckpt_path,
-              tokens_per_iter=tokens_per_iter, max_iters=max_iters, iter_num=ckpt["iter_num"] if ckpt else 0,
-              best_val=ckpt["best_val_loss"] if ckpt else float("inf"), last_saved=ckpt_path if ckpt else None)
+                   val_data=val_data, meta=meta, block_size=mcfg.block_size, ckpt_path=ckpt_path, log_path=log_path,
+                   tokens_per_iter=tokens_per_iter, max_iters=max_iters, iter_num=ckpt.get("iter_num", 0) if ckpt else 0,
+                   best_val=ckpt.get("best_val_loss", float("inf")) if ckpt else float("inf"),
+                   last_saved=ckpt_path if ckpt else None)
+    if ckpt is not None:
+        SAVED["path"], SAVED["step"] = ckpt_path, run.iter_num
     if run.master:
         print(f"{model.num_params():,} parameters (shared stack counted once) | {mcfg.n_layer} layers x "
               f"{mcfg.n_loops} loops | readout={mcfg.readout} per_loop_ce={mcfg.per_loop_ce} init={mcfg.init} | "
@@ -404,25 +510,28 @@ def start(cfg, model_args, given):
             raise UsageError(f"nothing to train: the run is at step {run.iter_num} and --max_iters is {max_iters}; "
                              "raise --max_iters" + (" (or --epochs)" if cfg.epochs else ""))
         if run.master:  # resume: the log up to the checkpoint; from scratch: a new log
-            trim_log(cfg.out_dir, run.iter_num)
+            report.trim_log(run.log_path, run.iter_num)
         if cfg.compile:  # stars.looplm_step_fn keeps the STARS penalty and the evaluation's ρ on the eager step
             model.step = torch.compile(model.step)
         code = train(cfg, run, model, optimizer)
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()
+        if run.log_path.endswith(".new") and os.path.exists(run.log_path):  # saved nothing: the older run stays whole
+            os.remove(run.log_path)
     if code == 0 and cfg.sample_tokens and run.master and cfg.task == "lm":
         from sample import generate
         tok = data.get_tokenizer(meta)
         model.eval()
         vars(model).pop("step", None)  # decode eagerly: the KV cache changes shape every token (no recompiles)
         x = torch.tensor([tok.encode("\n")], device=device)
-        y, _ = generate(model, x, cfg.sample_tokens, mcfg.n_loops, temperature=0.8, top_k=None)
+        y, _ = generate(model, x, cfg.sample_tokens, mcfg.n_loops, temperature=0.8, top_k=None, vocab=tok.vocab_size)
         print("sample:", tok.decode(y[0, 1:].tolist()))
     return code
 
 
 def main(argv=None):
+    sys.stdout = QuietPipe(sys.stdout) if not isinstance(sys.stdout, QuietPipe) else sys.stdout  # | head
     try:
         return start(*settings(sys.argv[1:] if argv is None else argv))
     except UsageError as e:
@@ -431,12 +540,10 @@ def main(argv=None):
     except RunError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C outside the training loop (tokenizing, evaluating, sampling)
-        print("train.py: interrupted (outside the training loop: no training state to save)", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C outside the training steps (tokenizing, evaluating, sampling)
+        print("train.py: interrupted; " + (f"{SAVED['path']} holds step {SAVED['step']}" if SAVED else
+                                           "nothing was saved"), file=sys.stderr)
         return 130
-    except BrokenPipeError:  # piped into head: stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ digits = 4
 n_embd, n_head, n_layer, n_loops = 512, 8, 1, 4
 mlp, mlp_hidden = "gelu", 1024
 block_norm = "sandwich"
+norm, bias = "layernorm", True
 init = "normal"
 inject = False
 dropout = 0.1
