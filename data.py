@@ -10,12 +10,14 @@ Batches: random windows (nanoGPT's get_batch), or, with a window stride, Paper A
 overlapping windows (windows_batch). Every batch is a pure function of (seed, step, rank), so a
 resumed run draws exactly the batches the uninterrupted run would have drawn.
 """
+import contextlib
 import functools
 import glob
 import hashlib
 import json
 import os
 import re
+import socket
 import sys
 from collections import Counter, namedtuple
 
@@ -243,15 +245,14 @@ def n_windows(n_tokens, block_size, stride):
 def atomic_write(path, write):
     """write(tmp_path), then rename over path: a crash mid-write never leaves a torn file at path.
     The temporary file is removed if the write fails, and those of killed processes (kill -9 mid-write)
-    are removed by the next write. (Per process: two ranks may write one token cache at once.)"""
-    for old in glob.glob(glob.escape(path) + ".*.tmp"):
-        pid = old[len(path) + 1:-4]
+    on this machine are removed by the next write. (Per process: two ranks may write one token cache at once.)"""
+    host = socket.gethostname()  # (a shared file system: only this machine's processes can be checked)
+    for old in glob.glob(glob.escape(f"{path}.{host}.") + "*.tmp"):
+        pid = old[len(f"{path}.{host}."):-4]
         if pid.isdigit() and not pid_alive(int(pid)):
-            try:
+            with contextlib.suppress(OSError):
                 os.remove(old)
-            except OSError:
-                pass
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = f"{path}.{host}.{os.getpid()}.tmp"
     try:
         write(tmp)
         os.replace(tmp, path)
@@ -275,6 +276,12 @@ def atomic_write_text(path, text):
         with open(tmp, "w") as f:
             f.write(text)
     atomic_write(path, write)
+
+
+def padded_vocab(n):
+    """GPT-2's 50,257 tokens -> 50,304 rows, a multiple of 64 (as nanoGPT), so that the readout's matmuls
+    align on a GPU. The extra rows are never targets, and sample.py never samples them."""
+    return -(-n // 64) * 64
 
 
 # ---------------------------------------------------------------- addition data (Paper B)
@@ -330,7 +337,7 @@ def addition_heldout(digits, n):
     run, so seeds and settings are compared on the same problems; the first 100 are the public
     protocol's)."""
     g, parts, seen = torch.Generator().manual_seed(10_000), [], set()
-    for _ in range(50):
+    for _ in range(50 + n // 1000):
         x, y, c = addition_batch(100_000, digits, g, heldout=True)  # ~2,000 held out per draw
         keep = [i for i, v in enumerate(c.tolist()) if not (v in seen or seen.add(v))]
         parts.append((x[keep], y[keep], c[keep]))

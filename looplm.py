@@ -22,6 +22,7 @@ Language Models", STARS (Yang et al., ICML 2026, arXiv 2605.26733). Its block no
 placement (pre | post | sandwich) is in Block; its Jacobian penalty and loop sampling in stars.py.
 """
 import math
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
@@ -71,8 +72,15 @@ class LoopLMConfig:
         Checkpoints written before the rename of n_loop to n_loops load too."""
         d = {("n_loops" if k == "n_loop" else k): v for k, v in d.items()}
         d.setdefault("init", "nanogpt")  # checkpoints from before the init setting were made with nanoGPT's
+        if "norm" not in d and d.get("inject"):  # older versions added H_0 at loop 1 too (2·H_0)
+            print("note: this inject checkpoint was trained when loop 1 took 2·H_0; it now takes H_0 (LoopLM.step), "
+                  "so it runs a slightly different function", file=sys.stderr)
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# the settings that shape the weights: a resumed run cannot change them, a new run of other values is another model
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "mlp", "mlp_hidden", "block_norm", "loop_norm", "norm", "bias")
 
 
 class RMSNorm(nn.Module):

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import time
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 import stars
 from configurator import RunError, UsageError
 from data import ADDITION_CHARS, addition_heldout, atomic_write, atomic_write_text, get_batch
-from looplm import LoopLM, LoopLMConfig, fixed_point_residual, norm_stats, radial_fraction, token_norms
+from looplm import ARCHITECTURE, LoopLM, LoopLMConfig, fixed_point_residual, norm_stats, radial_fraction, token_norms
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -274,6 +275,34 @@ def plot_report(out_dir, report, log_rows):
         plt.close(fig)
 
 
+def adopt_log(run, name="log.jsonl"):
+    """A new run in a folder that holds an older run's log writes log.jsonl.new; it replaces the old
+    log only once the new run has saved something, so a run that fails early loses nothing."""
+    if run.log_path.endswith(".new"):
+        path = os.path.join(os.path.dirname(run.log_path), name)
+        os.replace(run.log_path, path)
+        run.log_path = path
+
+
+def guard_out_dir(out_dir, task, model_args):
+    """A new run is not let overwrite a run of another shape (or task) in out_dir: refuse, unless the
+    caller was told --overwrite. (A run of the same shape replaces it, as in nanoGPT.)"""
+    path = os.path.join(out_dir, "ckpt.pt")
+    if not os.path.exists(path):
+        return
+    try:
+        old = load_checkpoint(path)
+        saved = asdict(LoopLMConfig.from_dict(old["model_args"]))
+        diff = [f"{k} {saved[k]}" for k in ARCHITECTURE if saved[k] != model_args[k]]
+        if old["config"].get("task", "lm") != task:
+            diff.append(f"task {old['config'].get('task', 'lm')}")
+    except RunError:
+        diff = ["an unreadable checkpoint"]
+    if diff:
+        raise UsageError(f"{out_dir} holds a run of another shape ({', '.join(diff)}); pick another --out_dir, "
+                         "or --overwrite to replace it")
+
+
 def append_log(path, row):
     """One row of the training log (a line of JSON); a failed write is one line, not a traceback."""
     try:
@@ -359,15 +388,18 @@ def compare_runs(dirs, out):
         fig, ax = plt.subplots(figsize=(6, 3.8))
         axes.append((fig, ax))
     if add:
-        ks = (1, 2, 4, 8, 16, 32)
-        print("| run | " + " | ".join(f"K={k}" for k in ks) + " | residual at K=32 | ρ at K=32 |\n|" + "---|" * (len(ks) + 3))
+        ks = [k for k in DEPTHS if all(str(k) in rep["addition"]["accuracy"] for rep, _ in runs.values())]
+        fmt = lambda v, f: "n/a" if v is None else format(v, f)
+        print("| run | " + " | ".join(f"K={k}" for k in ks) + " | ρ answer K=32 / 64 | ρ all K=32 / 64 | residual K=32 / 64 |\n|"
+              + "---|" * (len(ks) + 4))
         for name, (rep, _) in runs.items():
             a = rep["addition"]
             axes[0][1].plot([int(k) for k in a["accuracy"]], [100 * v for v in a["accuracy"].values()], label=name)
-            fmt = lambda v, f: "n/a" if v is None else format(v, f)
-            rho = a.get("spectral_radius", a.get("rho", {}))  # ("rho" in reports of older versions)
-            print(f"| {name} | " + " | ".join(fmt(100 * a["accuracy"][str(k)], ".1f") + "%" if str(k) in a["accuracy"] else "n/a"
-                                         for k in ks) + f" | {fmt(a['residual'].get('32'), '.2e')} | {fmt(rho.get('32'), '.3f')} |")
+            pub = a.get("accuracy_public", {})  # strict | public (Paper B's protocol), in % at each depth
+            cell = lambda k: f"{100 * a['accuracy'][str(k)]:.1f}" + (f" \\| {100 * pub[str(k)]:.0f}" if str(k) in pub else "")
+            pair = lambda d: " / ".join(fmt(d.get(k), ".3f" if d is not a["residual"] else ".1e") for k in ("32", "64"))
+            print(f"| {name} | " + " | ".join(cell(k) for k in ks) + f" | {pair(a.get('spectral_radius_answer', {}))} | "
+                  f"{pair(a.get('spectral_radius', a.get('rho', {})))} | {pair(a['residual'])} |")
         axes[0][1].set(xlabel="loops at inference", ylabel="exact match (%)", xscale="log")
     else:
         print("| run | ‖H_K‖ mean | p99 | max | radial fraction | PPL K=1 | K=2 | K=3 | K=4 | ΔPPL 1→4 | clamp ΔCE | "

@@ -56,8 +56,10 @@ def jsrr_penalty(step_fn, h, mode="jvp", generator=None, iters=1, mask=None):
         through a fresh step, and the last ‖Jv‖² is the penalty. As iters grows it tends to the
         dominant |λ|², i.e. the penalty aims at ρ rather than at the mean squared singular value.
     mask: (batch, T) booleans, the positions the penalty looks at (say, the supervised ones): v
-        lives there and only Jv there is measured. J is block lower-triangular over positions
-        (causal attention), so this restriction keeps exactly those positions' diagonal blocks.
+        lives there and only Jv there is measured, so the penalty sees J restricted to those
+        positions (J_MM: their diagonal blocks and the blocks between them, none of the others).
+        Its eigenvalues are those of the masked diagonal blocks (J is block lower-triangular over
+        positions, by causal attention), which power iteration (iters > 1) aims at.
     Returns (penalty, jv_norm):
         penalty = mean over the batch of ‖Jv‖². It is differentiable w.r.t. step_fn's parameters,
             but not w.r.t. h, which is detached as in the public code.

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+import data
 import report
 import stars
 import train
@@ -64,7 +65,7 @@ def test_train_step_reads_the_device_only_at_log_steps(train_data_args, tmp_path
 
 
 def test_train_pads_large_vocabularies_and_sampling_never_picks_a_pad_row():
-    assert [train.padded_vocab(n) for n in (50_257, 50_304, 50_305)] == [50_304, 50_304, 50_368]
+    assert [data.padded_vocab(n) for n in (50_257, 50_304, 50_305)] == [50_304, 50_304, 50_368]
     from sample import generate
     m = tiny()  # 61 rows; pretend the tokenizer has 40 and push every logit towards the pad rows
     with torch.no_grad():
@@ -100,7 +101,7 @@ def test_train_stale_temporary_files_of_killed_saves_are_cleaned(trained_run, tr
     out = copy_run(trained_run, tmp_path / "run")
     dead = 2**22 + 12345  # above Linux's default pid_max: no such process
     for name in ("ckpt.pt", "report.json"):
-        open(os.path.join(out, f"{name}.{dead}.tmp"), "wb").write(b"half a file")
+        open(os.path.join(out, f"{name}.{socket.gethostname()}.{dead}.tmp"), "wb").write(b"half a file")
     assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--init_from", "resume", "--max_iters", 9]) == 0
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
 
@@ -132,6 +133,16 @@ def test_train_piped_into_a_closed_pipe_trains_to_the_end(train_data_args, tmp_p
     monkeypatch.setattr(sys, "stdout", Closed())
     assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", tmp_path / "run"]) == 0
     assert report.load_checkpoint(tmp_path / "run")["iter_num"] == 6
+
+
+def test_train_resume_keeps_the_recipe_of_an_older_checkpoint():
+    # before --grad_loops applied to every sampler, a lognormal run stored grad_loops 4 and backpropagated
+    # through every loop: resuming it must not switch truncated backprop on
+    cfg, model_args, given = train.settings([])
+    old = {"config": {"loop_sampling": "lognormal", "grad_loops": 4, "task": "lm"}, "model_args": {"n_embd": 512}}
+    assert train.resume_settings(cfg, model_args, given, old)[0].grad_loops == 0
+    new = {"config": {**old["config"], "loop_start": 0}, "model_args": {"n_embd": 512}}
+    assert train.resume_settings(cfg, model_args, given, new)[0].grad_loops == 4
 
 
 def test_train_resume_needs_a_full_checkpoint(trained_run, train_data_args, tmp_path, capsys):

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+import contextlib
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 
@@ -28,7 +29,7 @@ import data
 import report
 import stars
 from configurator import RENAMED, QuietPipe, RunError, UsageError, check, parse, setting
-from looplm import LoopLM, LoopLMConfig, token_norms
+from looplm import ARCHITECTURE, LoopLM, LoopLMConfig, token_norms
 
 
 # ---------------------------------------------------------------- settings
@@ -111,10 +112,6 @@ class TrainConfig:
     num_threads: int = setting(0, "CPU threads (0 = torch's default)", lo=0, hi=4096)
 
 
-# model settings that shape the weights: a resumed run cannot change them
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "mlp", "mlp_hidden", "block_norm", "loop_norm", "norm", "bias")
-
-
 def settings(argv):
     """Defaults < config files < --options: (TrainConfig, model settings dict, names given)."""
     values, given = parse(argv, (TrainConfig, LoopLMConfig), __doc__)
@@ -160,6 +157,8 @@ def setup_device(cfg):
 def resume_settings(cfg, model_args, given, ckpt):
     """The checkpoint's settings, overridden by those given on this command line."""
     saved = {RENAMED.get(k) or k: v for k, v in ckpt["config"].items()}  # checkpoints of older versions
+    if "loop_start" not in saved and saved.get("loop_sampling") != "poisson_lognormal":
+        saved["grad_loops"] = 0  # before grad_loops applied to every sampler, only Huginn's used it
     saved_model = LoopLMConfig.from_dict(ckpt["model_args"])
     names = {f.name for f in fields(TrainConfig)}
     cfg = TrainConfig(**{**{k: v for k, v in saved.items() if k in names}, **{k: getattr(cfg, k) for k in given if k in names},
@@ -197,12 +196,6 @@ def load_data(cfg, model_args, ckpt):
         raise UsageError(f"the data's tokenizer ({meta['kind']}) is not the checkpoint's ({ckpt['tokenizer']['kind']}, "
                          "or a regex vocabulary fit on other text): token ids would not match the weights")
     return train_data, val_data, meta
-
-
-def padded_vocab(n):
-    """GPT-2's 50,257 tokens -> 50,304 rows, a multiple of 64 (as nanoGPT), so that the readout's matmuls
-    align on a GPU. The extra rows are never targets, and sample.py never samples them."""
-    return -(-n // 64) * 64
 
 
 def build_model(cfg, mcfg, device, ckpt):
@@ -335,16 +328,17 @@ def train(cfg, run, model, optimizer):
             if eval_now:
                 ok = False
                 try:
-                    stop["evaluating"] = True
                     if run.master:
-                        evaluate_and_save(cfg, run, model, optimizer)
+                        evaluate_and_save(cfg, run, model, optimizer, stop)
                     ok = True
-                    stop["evaluating"] = False
                 finally:  # the other ranks learn whether rank 0's evaluation and save went through
                     if run.world > 1:
                         rank0_ok(run, ok)
                 t0 = time.perf_counter()  # evaluation time is not training throughput
             if stopping:
+                if first_bad.item():  # (skipped updates: the weights are clean, but say so rather than save)
+                    raise RunError(f"non-finite loss or gradient at step {first_bad.item()} (the update was skipped); "
+                                   f"stopping. Last good checkpoint: {run.last_saved or 'none saved yet'}")
                 if run.master:
                     save_interrupted(cfg, run, model, optimizer)
                 return 128 + stop.get("sig", signal.SIGTERM)  # (a rank stopped by another rank's signal: 143)
@@ -383,12 +377,14 @@ def make_ckpt(cfg, run, model, optimizer):
             "config": asdict(cfg), "iter_num": run.iter_num, "best_val_loss": run.best_val, "tokenizer": run.meta}
 
 
-def evaluate_and_save(cfg, run, model, optimizer):
-    """Evaluate; save ckpt.pt if always_save_checkpoint or the validation loss improved; at the end,
-    write report.json and the plots."""
+def evaluate_and_save(cfg, run, model, optimizer, stop):
+    """Evaluate (a Ctrl-C interrupts it at once); save ckpt.pt if always_save_checkpoint or the validation
+    loss improved (a Ctrl-C waits for the save); at the end, write report.json and the plots."""
     final = run.iter_num == run.max_iters
     print(f"step {run.iter_num}: ", end="")
+    stop["evaluating"] = True
     val_loss, rep = report.evaluate(model, cfg, run.val_data, run.device, run.ctx, final)
+    stop["evaluating"] = False
     rep["iter"] = run.iter_num
     report.append_log(run.log_path, {"iter": run.iter_num, "val_loss": val_loss})
     improved = val_loss <= run.best_val
@@ -397,7 +393,7 @@ def evaluate_and_save(cfg, run, model, optimizer):
         report.save_checkpoint(run.ckpt_path, make_ckpt(cfg, run, model, optimizer))
         run.last_saved = SAVED["path"] = run.ckpt_path
         SAVED["step"] = run.iter_num
-        adopt_log(run)
+        report.adopt_log(run)
     if final:
         report.write_report(cfg.out_dir, rep)
 
@@ -408,37 +404,11 @@ def save_interrupted(cfg, run, model, optimizer):
     path = run.ckpt_path if cfg.always_save_checkpoint else os.path.join(cfg.out_dir, "interrupted.pt")
     report.save_checkpoint(path, make_ckpt(cfg, run, model, optimizer))
     SAVED["path"], SAVED["step"] = path, run.iter_num
-    adopt_log(run, "log.jsonl" if path == run.ckpt_path else "interrupted.log.jsonl")
+    report.adopt_log(run, "log.jsonl" if path == run.ckpt_path else "interrupted.log.jsonl")
     hint = ("continue with --init_from resume" if path == run.ckpt_path else
-            f"{run.ckpt_path} keeps the best model; to continue from this state, move it over ckpt.pt and --init_from resume")
+            f"{run.ckpt_path} keeps the best model; to continue from this state, move it over ckpt.pt (and "
+            "interrupted.log.jsonl, if there, over log.jsonl) and --init_from resume")
     print(f"interrupted: saved step {run.iter_num} to {path}; {hint}", file=sys.stderr)
-
-
-def adopt_log(run, name="log.jsonl"):
-    """A new run in a folder that holds an older run's log writes log.jsonl.new; it replaces the old
-    log only once the new run has saved something, so a run that fails early loses nothing."""
-    if run.log_path.endswith(".new"):
-        path = os.path.join(os.path.dirname(run.log_path), name)
-        os.replace(run.log_path, path)
-        run.log_path = path
-
-
-def guard_out_dir(cfg, model_args, ckpt_path):
-    """From scratch, an out_dir holding a run of another shape (or task) is not overwritten without
-    --overwrite: its checkpoint could not be resumed with these settings anyway."""
-    if cfg.init_from != "scratch" or cfg.overwrite or not os.path.exists(ckpt_path):
-        return
-    try:
-        old = report.load_checkpoint(ckpt_path)
-        saved = asdict(LoopLMConfig.from_dict(old["model_args"]))
-        diff = [f"{k} {saved[k]}" for k in ARCHITECTURE if saved[k] != model_args[k]]
-        if old["config"].get("task", "lm") != cfg.task:
-            diff.append(f"task {old['config'].get('task', 'lm')}")
-    except RunError:
-        diff = ["an unreadable checkpoint"]
-    if diff:
-        raise UsageError(f"{cfg.out_dir} holds a run of another shape ({', '.join(diff)}); pick another --out_dir, "
-                         "or --overwrite to replace it")
 
 
 SAVED = {}  # the last checkpoint this process wrote or resumed from: what a Ctrl-C message points at
@@ -471,13 +441,14 @@ def start(cfg, model_args, given):
             raise RunError(f"{ckpt_path} has no optimizer state: it can be evaluated (--eval_only) or sampled, not "
                            "resumed; train from scratch in another --out_dir")
         cfg, model_args = resume_settings(cfg, model_args, given, ckpt)
-    guard_out_dir(cfg, model_args, ckpt_path)
+    if cfg.init_from == "scratch" and not cfg.overwrite:
+        report.guard_out_dir(cfg.out_dir, cfg.task, model_args)
     train_data, val_data, meta = load_data(cfg, model_args, ckpt)
     vocab = data.get_tokenizer(meta).vocab_size
     if ckpt is not None:
         vocab = model_args["vocab_size"]
     elif meta["kind"] == "gpt2":  # (Paper A's regex vocabulary stays exact: its 44M model's size)
-        vocab = padded_vocab(vocab)
+        vocab = data.padded_vocab(vocab)
     mcfg = LoopLMConfig(**{**model_args, "vocab_size": vocab})
     model, optimizer = build_model(cfg, mcfg, device, ckpt)
     tokens_per_iter = cfg.batch_size * mcfg.block_size * cfg.gradient_accumulation_steps * world
@@ -517,8 +488,9 @@ def start(cfg, model_args, given):
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()
-        if run.log_path.endswith(".new") and os.path.exists(run.log_path):  # saved nothing: the older run stays whole
-            os.remove(run.log_path)
+        if run.master and run.log_path.endswith(".new"):  # saved nothing: the older run stays whole
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(run.log_path)
     if code == 0 and cfg.sample_tokens and run.master and cfg.task == "lm":
         from sample import generate
         tok = data.get_tokenizer(meta)
