@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 import stars
-from configurator import QuietPipe, RunError, UsageError, check, parse, setting
+from configurator import RunError, UsageError, check, command, parse, setting
 from looplm import LoopLM, LoopLMConfig
 
 SHAPES = {  # model and batch; dropout 0 as in nanoGPT's bench.py. "tiny" is config/cpu_tiny.py (bytes)
@@ -418,18 +418,7 @@ def main(argv=None):
 
 
 def cli(argv=None):
-    sys.stdout = QuietPipe(sys.stdout) if not isinstance(sys.stdout, QuietPipe) else sys.stdout  # | head
-    try:
-        return main(argv) or 0
-    except UsageError as e:
-        print(f"bench.py: error: {e}", file=sys.stderr)
-        return 2
-    except RunError as e:
-        print(f"bench.py: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench.py: interrupted", file=sys.stderr)
-        return 130
+    return command("bench.py", lambda: main(argv))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ exit 2) or RunError (the run cannot go on: a missing file, offline, a bad checkp
 """
 import math
 import os
+import sys
 from dataclasses import MISSING, field, fields
 
 
@@ -169,3 +170,21 @@ class QuietPipe:
 
     def __getattr__(self, name):
         return getattr(self.stream, name)
+
+
+def command(name, body, interrupted=lambda: "interrupted"):
+    """Run a command line's body the way every looplm command ends: UsageError -> one line, exit 2;
+    RunError -> one line, exit 1; Ctrl-C -> interrupted() as one line, exit 130; a closed stdout
+    pipe -> quiet. Returns the exit code."""
+    if not isinstance(sys.stdout, QuietPipe):
+        sys.stdout = QuietPipe(sys.stdout)
+    try:
+        return body() or 0
+    except UsageError as e:
+        code, msg = 2, f"error: {e}"
+    except RunError as e:
+        code, msg = 1, f"error: {e}"
+    except KeyboardInterrupt:
+        code, msg = 130, interrupted()
+    print(f"{name}: {msg}", file=sys.stderr)
+    return code

@@ -23,17 +23,9 @@ import torch.nn.functional as F
 
 import data
 import report
-from configurator import QuietPipe, RunError, UsageError, check, parse, setting
+from configurator import RunError, UsageError, check, command, parse, setting
 
 EXITS = ("max_prob", "margin", "entropy")
-
-
-class CLIError(Exception):
-    """A bad input: main() prints one line on stderr and exits with `code`, no traceback."""
-
-    def __init__(self, msg, code=2):
-        super().__init__(msg)
-        self.code = code
 
 
 # ---- exit criteria: how confident is one loop's readout? -----------------------------------
@@ -265,7 +257,7 @@ def eval_data(ckpt, model, n, folder="."):
         try:
             x, y, _ = data.addition_heldout(cfg["digits"], n or 400)
         except ValueError as e:
-            raise CLIError(f"--eval_seqs {n or 400}: {e}") from None
+            raise UsageError(f"--eval_seqs {n or 400}: {e}") from None
         return x, y
     # the training run's token cache if it is here, else one beside the checkpoint (never a new one here)
     cache = cfg.get("cache_dir", "data_cache")
@@ -273,7 +265,7 @@ def eval_data(ckpt, model, n, folder="."):
                                    os.path.join(folder, cache)})
     T = model.config.block_size
     if len(val) < T + 1:
-        raise CLIError(f"the validation split has {len(val)} tokens, fewer than block_size+1={T + 1}", 1)
+        raise RunError(f"the validation split has {len(val)} tokens, fewer than block_size+1={T + 1}")
     starts = torch.linspace(0, len(val) - T - 1, n or 16).long().tolist()
     x = torch.stack([torch.from_numpy(val[i:i + T + 1].astype("int64")) for i in starts])
     return x[:, :-1], x[:, 1:]
@@ -312,7 +304,7 @@ def addition_prompt(start, digits):
     m = re.fullmatch(r"\s*(\d+)\s*\+\s*(\d+)\s*=?\s*", start)
     lo, hi = 10 ** (digits - 1), 10 ** digits - 1
     if not m or not all(lo <= int(v) <= hi for v in m.groups()):
-        raise CLIError(f"this checkpoint adds two {digits}-digit numbers ({lo}..{hi}); got --start {start!r}, "
+        raise UsageError(f"this checkpoint adds two {digits}-digit numbers ({lo}..{hi}); got --start {start!r}, "
                        f"try --start \"{lo}+{hi}=\"")
     return int(m[1]), int(m[2])
 
@@ -353,14 +345,14 @@ def parse_args(argv):
     args = SampleConfig(**values)
     check(args)
     if args.exit and args.exit_threshold is None and not args.calibrate:
-        raise CLIError(f"--exit {args.exit} needs --exit_threshold (or --calibrate to find one)")
+        raise UsageError(f"--exit {args.exit} needs --exit_threshold (or --calibrate to find one)")
     if args.exit_threshold is not None and not args.exit:
-        raise CLIError("--exit_threshold needs --exit max_prob|margin|entropy")
+        raise UsageError("--exit_threshold needs --exit max_prob|margin|entropy")
     if args.eval and not args.calibrate and not args.exit:
-        raise CLIError("--eval compares fixed K with an exit policy: give --exit and --exit_threshold, "
+        raise UsageError("--eval compares fixed K with an exit policy: give --exit and --exit_threshold, "
                        "or use --calibrate")
     if args.device != "auto" and args.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", args.device):
-        raise CLIError(f"--device {args.device} is not supported; use auto, cpu, cuda or cuda:N")
+        raise UsageError(f"--device {args.device} is not supported; use auto, cpu, cuda or cuda:N")
     return args
 
 
@@ -369,10 +361,10 @@ def run(args):
         torch.set_num_threads(args.num_threads)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise CLIError(f"--device {device}, but no CUDA GPU is available; use --device cpu")
+        raise UsageError(f"--device {device}, but no CUDA GPU is available; use --device cpu")
     path = args.out_dir if args.out_dir.endswith(".pt") else os.path.join(args.out_dir, "ckpt.pt")
     if not os.path.isfile(path):
-        raise CLIError(f"no checkpoint at {path}; train one (python train.py --out_dir DIR) or fix --out_dir", 1)
+        raise RunError(f"no checkpoint at {path}; train one (python train.py --out_dir DIR) or fix --out_dir")
     ckpt = report.load_checkpoint(path, device)
     model = report.model_from_checkpoint(ckpt, device)
     tok, cfg = data.get_tokenizer(ckpt["tokenizer"]), ckpt["config"]
@@ -389,9 +381,9 @@ def run(args):
         start = f"{a}+{b}="
     ids = tok.encode(start)
     if not ids:
-        raise CLIError("--start is empty: give at least one token of prompt")
+        raise UsageError("--start is empty: give at least one token of prompt")
     if len(ids) > bs:
-        raise CLIError(f"the prompt is {len(ids)} tokens, longer than this checkpoint's block_size of {bs}; "
+        raise UsageError(f"the prompt is {len(ids)} tokens, longer than this checkpoint's block_size of {bs}; "
                        f"shorten --start to at most {bs} tokens")
     temperature = args.temperature if args.temperature is not None else (0.0 if addition else 0.8)
     max_new = min(args.max_new_tokens, bs - len(ids)) if addition else args.max_new_tokens
@@ -416,20 +408,7 @@ def run(args):
 
 
 def main(argv=None):
-    sys.stdout = QuietPipe(sys.stdout) if not isinstance(sys.stdout, QuietPipe) else sys.stdout  # | head
-    try:
-        return run(parse_args(sys.argv[1:] if argv is None else argv))
-    except KeyboardInterrupt:
-        print("sample.py: interrupted", file=sys.stderr)
-        return 130
-    except CLIError as e:
-        code, msg = e.code, str(e)
-    except UsageError as e:
-        code, msg = 2, str(e)
-    except RunError as e:
-        code, msg = 1, str(e)
-    print(f"sample.py: error: {msg}", file=sys.stderr)
-    return code
+    return command("sample.py", lambda: run(parse_args(sys.argv[1:] if argv is None else argv)))
 
 
 if __name__ == "__main__":

@@ -152,7 +152,7 @@ def looplm_step_fn(model, h0):
     config.inject is on, and it is held fixed. The step always runs eagerly (the class's method,
     not a torch.compile'd model.step: compiled graphs have no double backward) with explicit
     attention, so jvp and double backward work even if the model's forward uses SDPA."""
-    h0 = h0.detach()
+    h0 = None if h0 is None else h0.detach()
 
     def step(h):
         with model.math_attention():
@@ -177,7 +177,7 @@ def training_loss(model, x, y, n_loops, grad_loops=None, lam=0.0, mode="vjp", ro
     jv_norm = None
     if lam > 0:
         n = rows or x.size(0)
-        step = looplm_step_fn(model, model.embed(x[:n]))
+        step = looplm_step_fn(model, model.embed(x[:n]) if model.config.inject else None)
         h = states[-1][:n].detach()
         with torch.no_grad():
             for _ in range(n_loops, deep):

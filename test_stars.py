@@ -203,3 +203,21 @@ def test_stars_objective_lambda_and_bad_arguments():
         stars.jsrr_penalty(lambda h: h, torch.zeros(2, 3), mode="fwd")
     with pytest.raises(ValueError, match="choose one of fixed, lognormal, poisson_lognormal"):
         stars.sample_loops(None, kind="normal")
+
+
+def test_stars_training_loss_options_put_the_penalty_where_asked(monkeypatch):
+    # deep: at loop `deep`'s state, reached without gradient; supervised: the mask of the targets;
+    # iters: passed through. Dropout 0, so the deep state equals the model run to that depth.
+    m = tiny(block_norm="sandwich")
+    idx, tgt = batch()
+    tgt[:, :5] = -1
+    seen, real = {}, stars.jsrr_penalty
+    monkeypatch.setattr(stars, "jsrr_penalty", lambda f, h, **kw: seen.update(h=h, **kw) or real(f, h, **kw))
+    loss, states, jv = stars.training_loss(m, idx, tgt, 3, lam=0.1, deep=7, supervised=True, iters=2,
+                                           generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(seen["h"], m.loop_states(idx, 7)[-1], atol=1e-5) and not seen["h"].requires_grad
+    assert torch.equal(seen["mask"], tgt != -1) and seen["iters"] == 2 and len(states) == 3
+    loss.backward()
+    assert all(p.grad is not None for p in m.blocks.parameters())
+    stars.training_loss(m, idx, tgt, 3, lam=0.1, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(seen["h"], states[-1].detach()) and seen["mask"] is None and seen["iters"] == 1

@@ -28,7 +28,7 @@ import torch
 import data
 import report
 import stars
-from configurator import RENAMED, QuietPipe, RunError, UsageError, check, parse, setting
+from configurator import RENAMED, RunError, UsageError, check, command, parse, setting
 from looplm import ARCHITECTURE, LoopLM, LoopLMConfig, token_norms
 
 
@@ -503,19 +503,9 @@ def start(cfg, model_args, given):
 
 
 def main(argv=None):
-    sys.stdout = QuietPipe(sys.stdout) if not isinstance(sys.stdout, QuietPipe) else sys.stdout  # | head
-    try:
-        return start(*settings(sys.argv[1:] if argv is None else argv))
-    except UsageError as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
-        return 2
-    except RunError as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # Ctrl-C outside the training steps (tokenizing, evaluating, sampling)
-        print("train.py: interrupted; " + (f"{SAVED['path']} holds step {SAVED['step']}" if SAVED else
-                                           "nothing was saved"), file=sys.stderr)
-        return 130
+    # Ctrl-C outside the training steps (tokenizing, evaluating, sampling): say what is saved
+    return command("train.py", lambda: start(*settings(sys.argv[1:] if argv is None else argv)),
+                   lambda: "interrupted; " + (f"{SAVED['path']} holds step {SAVED['step']}" if SAVED else "nothing was saved"))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ grad_clip = 0.0
 # Paper B's depth distribution, LogNormal(2, 0.7), capped at 32 (Paper B: 100; P(t > 32) = 1.9%), with
 # the gradient through the last 4 loops only, so a deep step costs about as much as the baseline's
 loop_mu, loop_sigma, loop_max, grad_loops = 2.0, 0.7, 32, 4
+loop_start = 800              # a curriculum: 4 loops until step 800, then sampled depths (Paper B samples from
+                              # step 0, which kept these short runs on the loss plateau: README)
 stars_warmup = 400            # 20% of training, as Paper B's 2k of 10k
 eval_interval = 500
 eval_loops = 100
