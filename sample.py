@@ -361,7 +361,10 @@ def run(args):
         torch.set_num_threads(args.num_threads)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {device}, but no CUDA GPU is available; use --device cpu")
+        raise RunError(f"--device {device}, but no CUDA GPU is available; use --device cpu")
+    if device.startswith("cuda"):  # fp32 matmuls on TF32 units, as train.py; the GPU's memory counters follow it
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.cuda.set_device(device)
     path = args.out_dir if args.out_dir.endswith(".pt") else os.path.join(args.out_dir, "ckpt.pt")
     if not os.path.isfile(path):
         raise RunError(f"no checkpoint at {path}; train one (python train.py --out_dir DIR) or fix --out_dir")
