@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 import stars
-from configurator import RunError, UsageError, check, command, parse, setting
+from configurator import RunError, UsageError, check, check_device, command, parse, setting
 from looplm import LoopLM, LoopLMConfig
 
 SHAPES = {  # model and batch; dropout 0 as in nanoGPT's bench.py. "tiny" is config/cpu_tiny.py (bytes)
@@ -360,8 +360,7 @@ def parse_args(argv=None):
             raise UsageError(f"--shape {name!r} is unknown; choose among {', '.join(SHAPES)}")
     if not re.fullmatch(r"\d+(,\d+)*", args.mem_loops) or 0 in map(int, args.mem_loops.split(",")):
         raise UsageError(f"--mem_loops {args.mem_loops!r} is invalid; give loop counts >= 1, e.g. 4,8,16")
-    if args.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", args.device):
-        raise UsageError(f"--device {args.device} is not supported; use cpu, cuda or cuda:N")
+    check_device(args.device, auto=False)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise RunError(f"--device {args.device} but CUDA is not available; use --device cpu")
     return args

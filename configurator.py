@@ -13,6 +13,7 @@ exit 2) or RunError (the run cannot go on: a missing file, offline, a bad checkp
 """
 import math
 import os
+import re
 import sys
 from dataclasses import MISSING, field, fields
 
@@ -30,11 +31,7 @@ def setting(default, help, choices=None, lo=None, hi=None, above=None, type=None
     (above: value > above). Floats must also be finite. A default of None means "decided later"
     (the help says by what); then type names the type a given value must have."""
     return field(default=default, metadata=dict(help=help, choices=choices, lo=lo, hi=hi, above=above,
-                                                type=type or builtins_type(default)))
-
-
-def builtins_type(default):
-    return None if default is None else type(default)
+                                                type=type or (None if default is None else default.__class__)))
 
 
 # options that were renamed: the old name gives one line naming the new one
@@ -63,6 +60,12 @@ def check(obj, only=None):
         lo, hi, above = m.get("lo"), m.get("hi"), m.get("above")
         if (lo is not None and v < lo) or (hi is not None and v > hi) or (above is not None and v <= above):
             raise UsageError(f"--{f.name} {v} is invalid; it must be {valid_range(m)}")
+
+
+def check_device(device, auto=True):
+    """auto (if allowed), cpu, cuda or cuda:N; anything else is one line."""
+    if not ((auto and device == "auto") or re.fullmatch(r"cpu|cuda(:\d+)?", device)):
+        raise UsageError(f"--device {device} is not supported; use {'auto, ' if auto else ''}cpu, cuda or cuda:N")
 
 
 def valid_range(m):

@@ -24,7 +24,7 @@ from collections import Counter, namedtuple
 import numpy as np
 import torch
 
-from configurator import RunError
+from configurator import RunError, UsageError
 
 # ---------------------------------------------------------------- tokenizers
 Tokenizer = namedtuple("Tokenizer", "encode decode vocab_size")
@@ -282,6 +282,32 @@ def padded_vocab(n):
     """GPT-2's 50,257 tokens -> 50,304 rows, a multiple of 64 (as nanoGPT), so that the readout's matmuls
     align on a GPU. The extra rows are never targets, and sample.py never samples them."""
     return -(-n // 64) * 64
+
+
+def load_task_data(cfg, model_args, ckpt):
+    """train.py's data: (train tokens, validation tokens, tokenizer metadata), checked against model_args
+    (addition sets its block_size) and a resumed checkpoint's tokenizer."""
+    if cfg.task == "addition":
+        need = addition_block_size(cfg.digits)
+        model_args["block_size"] = need if ckpt is None else model_args["block_size"]
+        if need > model_args["block_size"]:
+            raise UsageError(f"--digits {cfg.digits} needs block_size {need}, more than the checkpoint's "
+                             f"{model_args['block_size']}")
+        try:  # the test set (training never draws it, whatever the evaluation settings: data.is_heldout)
+            addition_heldout(cfg.digits, cfg.eval_problems)
+        except ValueError as e:
+            raise UsageError(f"--eval_problems {cfg.eval_problems}: {e}") from None
+        train_data, val_data, meta = None, None, {"kind": "addition"}
+    else:
+        train_data, val_data, meta = prepare_data(cfg)
+        for split, d in (("training", train_data), ("validation", val_data)):
+            if len(d) <= model_args["block_size"] + 1:  # fail now, not after training at the first eval
+                raise RunError(f"the {split} split has {len(d)} tokens, fewer than block_size+1="
+                               f"{model_args['block_size'] + 1}; use more text or a smaller --block_size")
+    if ckpt is not None and {**ckpt["tokenizer"], "dtype": None} != {**meta, "dtype": None}:
+        raise UsageError(f"the data's tokenizer ({meta['kind']}) is not the checkpoint's ({ckpt['tokenizer']['kind']}, "
+                         "or a regex vocabulary fit on other text): token ids would not match the weights")
+    return train_data, val_data, meta
 
 
 # ---------------------------------------------------------------- addition data (Paper B)

@@ -60,6 +60,25 @@ def model_from_checkpoint(ckpt, device="cpu"):
     return model.to(device).eval()
 
 
+def build_model(cfg, mcfg, device, ckpt):
+    """The model and its AdamW, from scratch (seeded) or from the checkpoint."""
+    torch.manual_seed(cfg.seed)
+    model = LoopLM(mcfg).to(device)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.split(":")[0])
+    if ckpt is not None:
+        # a smaller --block_size keeps the first positions of the position embedding (and their AdamW moments)
+        T = mcfg.block_size
+        ckpt["model"]["wpe.weight"] = ckpt["model"]["wpe.weight"][:T]
+        model.load_state_dict(ckpt["model"])
+        if not cfg.eval_only:
+            wpe = [id(p) for g in optimizer.param_groups for p in g["params"]].index(id(model.wpe.weight))
+            for k, v in ckpt["optimizer"]["state"].get(wpe, {}).items():
+                if k in ("exp_avg", "exp_avg_sq"):
+                    ckpt["optimizer"]["state"][wpe][k] = v[:T]
+            optimizer.load_state_dict(ckpt["optimizer"])
+    return model, optimizer
+
+
 # ---------------------------------------------------------------- evaluation
 def evaluate(model, cfg, val_data, device, ctx, final=False):
     """Evaluate at loops 1..eval_loops: (validation loss that picks the best checkpoint, report dict).
@@ -273,6 +292,17 @@ def plot_report(out_dir, report, log_rows):
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, "training.png"), dpi=90)
         plt.close(fig)
+
+
+def writable_out_dir(out_dir, rank=0):
+    """Create out_dir and check that it takes a file now, not after hours of training."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write_test{rank}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise RunError(f"out_dir {out_dir} is not writable ({e.strerror}); pick another --out_dir") from None
 
 
 def adopt_log(run, name="log.jsonl"):

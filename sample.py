@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import data
 import report
-from configurator import RunError, UsageError, check, command, parse, setting
+from configurator import RunError, UsageError, check, check_device, command, parse, setting
 
 EXITS = ("max_prob", "margin", "entropy")
 
@@ -351,8 +351,7 @@ def parse_args(argv):
     if args.eval and not args.calibrate and not args.exit:
         raise UsageError("--eval compares fixed K with an exit policy: give --exit and --exit_threshold, "
                        "or use --calibrate")
-    if args.device != "auto" and args.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", args.device):
-        raise UsageError(f"--device {args.device} is not supported; use auto, cpu, cuda or cuda:N")
+    check_device(args.device)
     return args
 
 

@@ -177,6 +177,7 @@ def training_loss(model, x, y, n_loops, grad_loops=None, lam=0.0, mode="vjp", ro
     jv_norm = None
     if lam > 0:
         n = rows or x.size(0)
+        # (h0 is used only with inject; embedding it anyway keeps the dropout stream of the README's runs)
         step = looplm_step_fn(model, model.embed(x[:n]))
         h = states[-1][:n].detach()
         with torch.no_grad():

@@ -293,12 +293,12 @@ import train
 
 models = []
 
-class Recorded(train.LoopLM):  # keep a handle on the model each rank trains
+class Recorded(train.report.LoopLM):  # keep a handle on the model each rank trains
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         models.append(self)
 
-train.LoopLM = Recorded
+train.report.LoopLM = Recorded  # report.build_model makes the model
 depths, sample_loops = [], train.stars.sample_loops
 train.stars.sample_loops = lambda *a: depths.append(sample_loops(*a)) or depths[-1]  # each rank's depths
 

@@ -13,14 +13,13 @@ Settings come from, in order: the defaults below (the model's are looplm.LoopLMC
 resume the checkpoint's settings are used, except those given on the command line.
 """
 import datetime
-import json
 import math
 import os
 import signal
 import sys
 import time
-import contextlib
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
+from types import SimpleNamespace
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -29,7 +28,7 @@ import data
 import report
 import stars
 from configurator import RENAMED, RunError, UsageError, check, command, parse, setting
-from looplm import ARCHITECTURE, LoopLM, LoopLMConfig, token_norms
+from looplm import ARCHITECTURE, LoopLMConfig, token_norms
 
 
 # ---------------------------------------------------------------- settings
@@ -173,50 +172,6 @@ def resume_settings(cfg, model_args, given, ckpt):
     return cfg, {**asdict(saved_model), **{k: model_args[k] for k in given if k in model_args}}
 
 
-def load_data(cfg, model_args, ckpt):
-    """(train tokens, validation tokens, tokenizer metadata)."""
-    if cfg.task == "addition":
-        need = data.addition_block_size(cfg.digits)
-        model_args["block_size"] = need if ckpt is None else model_args["block_size"]
-        if need > model_args["block_size"]:
-            raise UsageError(f"--digits {cfg.digits} needs block_size {need}, more than the checkpoint's "
-                             f"{model_args['block_size']}")
-        try:  # the test set (training never draws it, whatever the evaluation settings: data.is_heldout)
-            data.addition_heldout(cfg.digits, cfg.eval_problems)
-        except ValueError as e:
-            raise UsageError(f"--eval_problems {cfg.eval_problems}: {e}") from None
-        train_data, val_data, meta = None, None, {"kind": "addition"}
-    else:
-        train_data, val_data, meta = data.prepare_data(cfg)
-        for split, d in (("training", train_data), ("validation", val_data)):
-            if len(d) <= model_args["block_size"] + 1:  # fail now, not after training at the first eval
-                raise RunError(f"the {split} split has {len(d)} tokens, fewer than block_size+1="
-                               f"{model_args['block_size'] + 1}; use more text or a smaller --block_size")
-    if ckpt is not None and {**ckpt["tokenizer"], "dtype": None} != {**meta, "dtype": None}:
-        raise UsageError(f"the data's tokenizer ({meta['kind']}) is not the checkpoint's ({ckpt['tokenizer']['kind']}, "
-                         "or a regex vocabulary fit on other text): token ids would not match the weights")
-    return train_data, val_data, meta
-
-
-def build_model(cfg, mcfg, device, ckpt):
-    """The model and its AdamW, from scratch (seeded) or from the checkpoint."""
-    torch.manual_seed(cfg.seed)
-    model = LoopLM(mcfg).to(device)
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.split(":")[0])
-    if ckpt is not None:
-        # a smaller --block_size keeps the first positions of the position embedding (and their AdamW moments)
-        T = mcfg.block_size
-        ckpt["model"]["wpe.weight"] = ckpt["model"]["wpe.weight"][:T]
-        model.load_state_dict(ckpt["model"])
-        if not cfg.eval_only:
-            wpe = [id(p) for g in optimizer.param_groups for p in g["params"]].index(id(model.wpe.weight))
-            for k, v in ckpt["optimizer"]["state"].get(wpe, {}).items():
-                if k in ("exp_avg", "exp_avg_sq"):
-                    ckpt["optimizer"]["state"][wpe][k] = v[:T]
-            optimizer.load_state_dict(ckpt["optimizer"])
-    return model, optimizer
-
-
 def lr_at(cfg, it, max_iters):
     """Constant (after an optional linear warm-up), or cosine from learning_rate down to min_lr."""
     if it < cfg.warmup_iters:
@@ -287,13 +242,11 @@ def train(cfg, run, model, optimizer):
                 logged[:2] += torch.stack([loss.detach().float(), token_norms(states[-1].detach()).mean()]) \
                     / cfg.gradient_accumulation_steps
                 jv_norm = jv.mean() if jv is not None else None
-            if "sig" in stop:
-                logged[2] = 1.0
+            logged[2] = float("sig" in stop)
             if run.world > 1:  # average the gradients and the logged numbers over ranks
                 all_reduce_mean(list(model.parameters()), logged)
-            # clip (with grad_clip 0 just measure) the gradient norm. A non-finite gradient must not reach the
-            # weights: fused AdamW skips its update on the device when found_inf is 1 (GradScaler's mechanism),
-            # so that no step waits for the host; the first bad step is remembered and reported at the next read
+            # clip (grad_clip 0: just measure) the gradient norm. A non-finite gradient must not reach the weights: fused
+            # AdamW skips its update on the device when found_inf is 1 (as under GradScaler); reported at the next read
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
             bad = ~(torch.isfinite(grad_norm) & torch.isfinite(logged[0]))
             optimizer.found_inf = bad.float()
@@ -307,17 +260,15 @@ def train(cfg, run, model, optimizer):
             if log_now or eval_now:  # the only host syncs of the loop: here, at the log and eval intervals
                 loss_f, norm_K, signalled, grad_f, bad_step = torch.cat([logged, first_bad.reshape(1).float()]).tolist()
                 if bad_step:
-                    raise RunError(f"non-finite loss or gradient at step {bad_step:.0f} (the update was skipped; at step "
-                                   f"{run.iter_num}: loss {loss_f:.4g}, gradient norm {grad_f:.4g}); stopping. Last good "
-                                   f"checkpoint: {run.last_saved or 'none saved yet'} (left untouched). Lower "
-                                   "--learning_rate or check the data")
+                    raise non_finite(bad_step, f"; at step {run.iter_num}: loss {loss_f:.4g}, gradient norm {grad_f:.4g}")
             if run.master and log_now:
                 dt = time.perf_counter() - t0
                 tps = run.tokens_per_iter * cfg.log_interval / dt if run.iter_num % cfg.log_interval == 0 else 0
                 eta = (time.perf_counter() - t_start) / (run.iter_num - it0) * (run.max_iters - run.iter_num)
                 jv_f = None if jv_norm is None else jv_norm.item()
-                report.append_log(run.log_path, {"iter": run.iter_num, "loss": loss_f, "lr": lr, "loops": n_loops, "norm_K": norm_K,
-                              "tokens_per_s": tps, **({"jv_norm": jv_f} if jv_f is not None else {})})
+                report.append_log(run.log_path, {"iter": run.iter_num, "loss": loss_f, "lr": lr, "loops": n_loops,
+                                                 "norm_K": norm_K, "tokens_per_s": tps,
+                                                 **({"jv_norm": jv_f} if jv_f is not None else {})})
                 print(f"step {run.iter_num}/{run.max_iters} loss {loss_f:.4f} | {tps:,.0f} tok/s | ETA {eta / 60:.1f} min"
                       f" | ‖H_K‖ {norm_K:.1f} | loops {n_loops}" + (f" | ‖Jv‖ {jv_f:.3f}" if jv_f is not None else ""),
                       flush=True)
@@ -337,8 +288,7 @@ def train(cfg, run, model, optimizer):
                 t0 = time.perf_counter()  # evaluation time is not training throughput
             if stopping:
                 if first_bad.item():  # (skipped updates: the weights are clean, but say so rather than save)
-                    raise RunError(f"non-finite loss or gradient at step {first_bad.item()} (the update was skipped); "
-                                   f"stopping. Last good checkpoint: {run.last_saved or 'none saved yet'}")
+                    raise non_finite(first_bad.item())
                 if run.master:
                     save_interrupted(cfg, run, model, optimizer)
                 return 128 + stop.get("sig", signal.SIGTERM)  # (a rank stopped by another rank's signal: 143)
@@ -346,6 +296,12 @@ def train(cfg, run, model, optimizer):
         for s, h in old_handlers.items():
             signal.signal(s, h)
     return 0
+
+
+def non_finite(step, detail=""):
+    return RunError(f"non-finite loss or gradient at step {step:.0f} (the update was skipped{detail}); stopping. Last "
+                    f"good checkpoint: {SAVED.get('path', 'none saved yet')} (left untouched). Lower --learning_rate "
+                    "or check the data")
 
 
 def all_reduce_mean(params, logged):
@@ -391,8 +347,7 @@ def evaluate_and_save(cfg, run, model, optimizer, stop):
     run.best_val = min(run.best_val, val_loss)
     if cfg.always_save_checkpoint or improved:
         report.save_checkpoint(run.ckpt_path, make_ckpt(cfg, run, model, optimizer))
-        run.last_saved = SAVED["path"] = run.ckpt_path
-        SAVED["step"] = run.iter_num
+        SAVED["path"], SAVED["step"] = run.ckpt_path, run.iter_num
         report.adopt_log(run)
     if final:
         report.write_report(cfg.out_dir, rep)
@@ -414,26 +369,13 @@ def save_interrupted(cfg, run, model, optimizer):
 SAVED = {}  # the last checkpoint this process wrote or resumed from: what a Ctrl-C message points at
 
 
-class RunState:
-    """The state of a run that the loop, the checkpoints and the log share."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
 def start(cfg, model_args, given):
     if cfg.compare:
         os.makedirs(cfg.out_dir, exist_ok=True)
         print("wrote " + ", ".join(report.compare_runs([d for d in cfg.compare.split(",") if d], cfg.out_dir)))
         return 0
     device, dtype, ctx, rank, world = setup_device(cfg)
-    try:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        probe = os.path.join(cfg.out_dir, f".write_test{rank}")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        raise RunError(f"out_dir {cfg.out_dir} is not writable ({e.strerror}); pick another --out_dir") from None
+    report.writable_out_dir(cfg.out_dir, rank)
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     ckpt = report.load_checkpoint(ckpt_path) if cfg.init_from == "resume" else None
     if ckpt is not None:
@@ -443,14 +385,11 @@ def start(cfg, model_args, given):
         cfg, model_args = resume_settings(cfg, model_args, given, ckpt)
     if cfg.init_from == "scratch" and not cfg.overwrite:
         report.guard_out_dir(cfg.out_dir, cfg.task, model_args)
-    train_data, val_data, meta = load_data(cfg, model_args, ckpt)
-    vocab = data.get_tokenizer(meta).vocab_size
-    if ckpt is not None:
-        vocab = model_args["vocab_size"]
-    elif meta["kind"] == "gpt2":  # (Paper A's regex vocabulary stays exact: its 44M model's size)
-        vocab = data.padded_vocab(vocab)
+    train_data, val_data, meta = data.load_task_data(cfg, model_args, ckpt)
+    vocab = data.get_tokenizer(meta).vocab_size  # GPT-2's padded; Paper A's regex vocabulary stays exact
+    vocab = model_args["vocab_size"] if ckpt else data.padded_vocab(vocab) if meta["kind"] == "gpt2" else vocab
     mcfg = LoopLMConfig(**{**model_args, "vocab_size": vocab})
-    model, optimizer = build_model(cfg, mcfg, device, ckpt)
+    model, optimizer = report.build_model(cfg, mcfg, device, ckpt)
     tokens_per_iter = cfg.batch_size * mcfg.block_size * cfg.gradient_accumulation_steps * world
     max_iters = cfg.max_iters
     if cfg.epochs > 0 and train_data is not None:  # an epoch: every window once, or as many tokens as the split
@@ -460,11 +399,10 @@ def start(cfg, model_args, given):
     log_path = os.path.join(cfg.out_dir, "log.jsonl")
     if ckpt is None and os.path.exists(log_path):  # an older run's log stays until this run saves (adopt_log)
         log_path += ".new"
-    run = RunState(device=device, ctx=ctx, rank=rank, world=world, master=rank == 0, train_data=train_data,
-                   val_data=val_data, meta=meta, block_size=mcfg.block_size, ckpt_path=ckpt_path, log_path=log_path,
-                   tokens_per_iter=tokens_per_iter, max_iters=max_iters, iter_num=ckpt.get("iter_num", 0) if ckpt else 0,
-                   best_val=ckpt.get("best_val_loss", float("inf")) if ckpt else float("inf"),
-                   last_saved=ckpt_path if ckpt else None)
+    run = SimpleNamespace(  # the state of a run that the loop, the checkpoints and the log share
+        device=device, ctx=ctx, rank=rank, world=world, master=rank == 0, train_data=train_data, val_data=val_data,
+        meta=meta, block_size=mcfg.block_size, ckpt_path=ckpt_path, log_path=log_path, tokens_per_iter=tokens_per_iter,
+        max_iters=max_iters, iter_num=(ckpt or {}).get("iter_num", 0), best_val=(ckpt or {}).get("best_val_loss", math.inf))
     if ckpt is not None:
         SAVED["path"], SAVED["step"] = ckpt_path, run.iter_num
     if run.master:
@@ -489,7 +427,7 @@ def start(cfg, model_args, given):
         if world > 1:
             torch.distributed.destroy_process_group()
         if run.master and run.log_path.endswith(".new"):  # saved nothing: the older run stays whole
-            with contextlib.suppress(FileNotFoundError):
+            with suppress(FileNotFoundError):
                 os.remove(run.log_path)
     if code == 0 and cfg.sample_tokens and run.master and cfg.task == "lm":
         from sample import generate

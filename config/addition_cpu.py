@@ -23,7 +23,7 @@ warmup_iters = 100
 min_lr = 0.0
 weight_decay = 0.01
 grad_clip = 0.0
-# Paper B's depth distribution, LogNormal(2, 0.7), capped at 32 (Paper B: 100; P(t > 32) = 1.9%), with
+# Paper B's depth distribution, LogNormal(2, 0.7), capped at 32 (Paper B: 100; P(t >= 32) = 1.9%), with
 # the gradient through the last 4 loops only, so a deep step costs about as much as the baseline's
 loop_mu, loop_sigma, loop_max, grad_loops = 2.0, 0.7, 32, 4
 loop_start = 800              # a curriculum: 4 loops until step 800, then sampled depths (Paper B samples from
