@@ -52,7 +52,10 @@ class LoopLMConfig:
                               choices=("pre", "post", "sandwich"))
     mlp: str = setting("swiglu", "SwiGLU (Paper A) or GELU (Paper B's addition model)", choices=("swiglu", "gelu"))
     mlp_hidden: int = setting(0, "MLP hidden width; 0 means 4·n_embd", lo=0, hi=10**6)
-    inject: bool = setting(False, "add the input embedding H_0 to the state at every loop after the first")
+    inject: bool = setting(False, "add the input embedding H_0 to the state at every loop after the first (so loop 1 "
+                           "sees 0 + H_0: the state starts from zero)")
+    state_noise: float = setting(0.0, "with inject, in training: loop 1 sees H_0 + Gaussian noise of this RMS relative to "
+                                 "H_0's (Huginn's random start; evaluation and sampling start from zero)", lo=0.0, hi=100.0)
     norm: str = setting("rmsnorm", "every norm: rmsnorm (Paper A) | layernorm, with a bias (Paper B's code)",
                         choices=("rmsnorm", "layernorm"))
     bias: bool = setting(False, "biases in the Linear layers (Paper B's code has them)")
@@ -62,6 +65,9 @@ class LoopLMConfig:
 
     def __post_init__(self):
         check(self)
+        if self.state_noise and not self.inject:
+            raise UsageError(f"--state_noise {self.state_noise} needs --inject: without it the input would never "
+                             "reach a state that starts from noise")
         if self.n_embd % self.n_head:
             raise UsageError(f"--n_embd {self.n_embd} is not divisible by --n_head {self.n_head}; "
                              "pick n_embd a multiple of n_head")
@@ -260,6 +266,8 @@ class LoopLM(nn.Module):
             raise ValueError(f"n_loops={K} is invalid; it must be >= 1")
         h0 = self.embed(idx)
         h, states = h0, []
+        if self.config.state_noise > 0 and self.training:  # Huginn's random start: loop 1 sees noise + H_0
+            h = h0 + torch.randn_like(h0) * rms(h0.detach()) * self.config.state_noise
         for k in range(1, K + 1):
             no_grad = grad_loops is not None and k <= K - grad_loops
             with torch.set_grad_enabled(torch.is_grad_enabled() and not no_grad):

@@ -14,6 +14,7 @@ import math
 import os
 import time
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -185,7 +186,8 @@ def loop_map_rho(model, h0, k, states, mask=None, iters=40):
 @torch.no_grad()
 def evaluate_lm(model, val, cfg, K_eval, device, ctx):
     """Per loop k = 1..K_eval: CE/PPL, ‖H_k‖ stats (L2, per token), radial gradient fraction,
-    fixed-point residual, spectral radius of the loop map, clamp ΔCE, tokens/s at depth k.
+    fixed-point residual, spectral radius of the loop map, clamp ΔCE, tokens/s at depth k (ρ and tokens/s
+    at k <= 8, at DEPTHS and at K_eval only; None elsewhere).
     Row k's "ce" is the early-exit curve: loop k's readout in the run at the trained depth K
     (readout(h, k, K), Paper A's protocol), and beyond K the model run at depth k. For final_norm,
     "ce_run_at_k" adds the model run at depth k (normalized at loop k). Same batches for every k."""
@@ -213,9 +215,10 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
     states = model.loop_states(x, K_eval)
     h0 = model.embed(x[:4])
     rows = []
+    timed = lambda k: k <= 8 or k in DEPTHS or k == K_eval  # ρ and tokens/s (the costly ones) at these depths only
     for k in range(1, K_eval + 1):
         s = norm_stats(torch.cat(norms[k - 1]))
-        rho = loop_map_rho(model, h0, k, states, iters=10)  # ρ(∂H_k/∂H_{k-1}) on 4 sequences
+        rho = loop_map_rho(model, h0, k, states, iters=10) if timed(k) else None  # ρ(∂H_k/∂H_{k-1}), 4 sequences
         rows.append({"k": k, "ce": ce[k - 1], "ppl": math.exp(ce[k - 1]),
                      **({"ce_run_at_k": ce_run[k - 1] if k < K_train else ce[k - 1]} if final_norm else {}),
                      **{f"norm_{n}": s[n] for n in ("mean", "median", "p99", "max", "std", "min")},
@@ -223,7 +226,7 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
                      "fixed_point_residual": res[k - 1] if k > 1 else None,
                      "spectral_radius": rho,
                      "clamp_delta_ce": ce_clamp[k - 1] - ce[k - 1],
-                     "tokens_per_s": depth_throughput(model, x, k, device, ctx)})
+                     "tokens_per_s": depth_throughput(model, x, k, device, ctx) if timed(k) else None})
     return rows, sum(len(n) for n in norms[0])
 
 
@@ -259,6 +262,7 @@ def plot_report(out_dir, report, log_rows):
         ax[0].legend()
         ax[1].plot(ks, [r["ppl"] for r in rows], "o-")
         ax[1].set(xlabel="loop k", ylabel="validation PPL", title="PPL vs loop")
+        rows = [r for r in rows if r["tokens_per_s"]]
         ax[2].plot([r["tokens_per_s"] for r in rows], [r["ppl"] for r in rows], "o-")
         for r in rows:
             ax[2].annotate(f"K={r['k']}", (r["tokens_per_s"], r["ppl"]))
@@ -447,9 +451,56 @@ def compare_runs(dirs, out):
                   + ("n/a" if b is None else f"{b:+.2f}") + " |")
         axes[0][1].set(xlabel="loops at inference (K)", ylabel="validation PPL")
         axes[1][1].set(xlabel="training step", ylabel="mean per-token ‖H_K‖₂ (train batch)")
+        if min(len(rep["per_loop"]) for rep, _ in runs.values()) > 8:
+            figs.append(("compare_depth.png",))
+            axes.append(depth_table({name: rep for name, (rep, _) in runs.items()}))
     for (name,), (fig, ax) in zip(figs, axes):
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, **({"loc": "upper left", "bbox_to_anchor": (1.01, 1)} if name == "compare_depth.png" else {}))
         fig.tight_layout()
         fig.savefig(os.path.join(out, name), dpi=90)
         plt.close(fig)
     return [os.path.join(out, name) for (name,) in figs]
+
+
+def depth_table(reports):
+    """--compare of runs evaluated deeper than 8 loops (the depth study): validation CE at each depth of
+    DEPTHS and its worst rise over CE at the trained depth K in those columns ≥ 4K (the goal: none), then
+    ‖H_k‖ mean / fixed-point residual / ρ at each depth; a plot of CE against loops (log x): (fig, ax)."""
+    import matplotlib.pyplot as plt
+    n = min(len(rep["per_loop"]) for rep in reports.values())
+    ks = [k for k in DEPTHS if k <= n]
+    fmt = lambda v, f: "n/a" if v is None else format(v, f)
+    print("\n| run | K | loops a step: all / with gradient | " + " | ".join(f"CE K={k}" for k in ks)
+          + " | CE − CE_K, worst column ≥ 4K |\n|" + "---|" * (len(ks) + 4))
+    for name, rep in reports.items():  # the goal: no worse when run 4x (and more) deeper than trained
+        rows, K = rep["per_loop"], rep["config"]["n_loops"]
+        rise = max((rows[k - 1]["ce"] for k in ks if k >= 4 * K), default=None) if K <= n else None
+        print(f"| {name} | {K} | {training_loops(rep['config'])} | " + " | ".join(f"{rows[k - 1]['ce']:.3f}" for k in ks)
+              + f" | {fmt(None if rise is None else rise - rows[K - 1]['ce'], '+.3f')} |")
+    print("\n| run | " + " | ".join(f"‖H‖ / residual / ρ at K={k}" for k in ks) + " |\n|" + "---|" * (len(ks) + 1))
+    for name, rep in reports.items():
+        cell = lambda r: (f"{r['norm_mean']:.3g} / {fmt(r['fixed_point_residual'], '.1e')} / "
+                          f"{fmt(r['spectral_radius'], '.2f')}")
+        print(f"| {name} | " + " | ".join(cell(rep["per_loop"][k - 1]) for k in ks) + " |")
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for i, (name, rep) in enumerate(reports.items()):  # 10 colours x 2 line styles
+        ax.plot([r["k"] for r in rep["per_loop"][:n]], [r["ce"] for r in rep["per_loop"][:n]], label=name,
+                color=plt.get_cmap("tab10")(i % 10), ls="-" if i < 10 else "--")
+    best = min(r["ce"] for rep in reports.values() for r in rep["per_loop"][:n])
+    ax.set(xlabel="loops at inference", ylabel="validation CE (nats/token)", xscale="log", ylim=(best - 0.05, best + 1.0))
+    return fig, ax  # (the y axis stops 1 nat above the best CE: a collapsing run leaves the plot)
+
+
+def training_loops(config):
+    """A run's compute in loops: mean loops a training step runs / runs with gradient, over its steps' depths
+    (stars.training_depth, replayed from the run's settings; the STARS penalty's passes not counted), as
+    "6.2 / 3.9"; "n/a" without them or for a run whose length --epochs set."""
+    try:
+        cfg = SimpleNamespace(**config)
+        if cfg.epochs:
+            return "n/a"
+        depths = [stars.training_depth(cfg, it, cfg.n_loops, stars.step_generator(cfg.seed, it))
+                  for it in range(cfg.max_iters)]
+    except (AttributeError, TypeError, ValueError):
+        return "n/a"
+    return f"{np.mean([t for t, _ in depths]):.1f} / {np.mean([b or t for t, b in depths]):.1f}"

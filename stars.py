@@ -126,7 +126,8 @@ def sample_loops(generator, kind="lognormal", mu=2.0, sigma=0.7, loop_max=100, l
     """Draw the depth of one training step: (n_loops, grad_loops), where grad_loops is None (the
     gradient flows through every loop, as in Paper B's code) or b (truncated backprop through the
     last b loops only, LoopLM.loop_states(grad_loops=b); Huginn uses 8). Deterministic given the generator.
-    fixed:             (loop_max, None): the baseline, always the same depth.
+    fixed:             loop_max, always the same depth: the baseline, or with grad_loops a DEQ-style target
+                       (a deep state reached mostly without gradient, the gradient through its last loops).
     lognormal:         t = clip(round(LogNormal(mu, sigma)), 1, loop_max). Paper B uses μ=2, σ=0.7,
                        loop_max=100 for addition and μ=1.7, σ=0.4, loop_max=16 for the Ouro fine-tune.
     poisson_lognormal: Huginn's sampler. τ ~ N(log r̄ − σ²/2, σ), so E[e^τ] = r̄ = loop_mean,
@@ -135,7 +136,7 @@ def sample_loops(generator, kind="lognormal", mu=2.0, sigma=0.7, loop_max=100, l
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} is invalid; choose one of {', '.join(KINDS)}")
     if kind == "fixed":
-        return loop_max, None
+        return loop_max, (min(loop_max, grad_loops) if grad_loops else None)
     z = torch.randn((), generator=generator, dtype=torch.float64).item()
     if kind == "lognormal":
         t = min(max(round(math.exp(mu + sigma * z)), 1), loop_max)
@@ -143,6 +144,17 @@ def sample_loops(generator, kind="lognormal", mu=2.0, sigma=0.7, loop_max=100, l
         tau = math.log(loop_mean) - sigma**2 / 2 + sigma * z
         t = min(int(torch.poisson(torch.tensor(math.exp(tau), dtype=torch.float64), generator=generator)) + 1, loop_max)
     return t, (min(t, grad_loops) if grad_loops else None)
+
+
+def training_depth(cfg, step, n_loops, generator):
+    """(depth, grad_loops) of training step `step` under train.py's settings (cfg: a TrainConfig): n_loops with
+    the gradient through every loop until cfg.loop_start (the curriculum), then cfg.loop_sampling. The generator
+    is the step's (step_generator)."""
+    if step < cfg.loop_start:
+        return n_loops, None
+    fixed = cfg.loop_sampling == "fixed"
+    return sample_loops(generator, cfg.loop_sampling, cfg.loop_mu, cfg.loop_sigma, n_loops if fixed else cfg.loop_max,
+                        cfg.loop_mean, cfg.grad_loops)
 
 
 # ---- glue for LoopLM (looplm.py) -----------------------------------------------------------

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from configurator import UsageError
 from conftest import batch, tiny
 from looplm import LoopLM, LoopLMConfig, ce_by_loop, fixed_point_residual, norm_stats, radial_fraction, rms, token_norms
 
@@ -53,6 +54,22 @@ def test_layernorm_bias_option_and_inject_from_the_second_loop():
     H1, H2 = m.loop_states(idx, 2)
     assert torch.allclose(H1, stack(h0), atol=1e-6)          # loop 1: F(H_0), not F(2·H_0)
     assert torch.allclose(H2, stack(H1 + h0), atol=1e-6)     # later loops: F(H_k + H_0)
+
+
+def test_state_noise_is_a_random_start_in_training_only():
+    # Huginn's random start: loop 1 sees H_0 + noise of 0.5x its RMS (not normalized by loop_norm); eval: from zero
+    with pytest.raises(UsageError, match="needs --inject"):
+        tiny(state_noise=1.0)
+    m, plain = tiny(inject=True, state_noise=0.5, loop_norm=True), tiny(inject=True, loop_norm=True)
+    idx, _ = batch()
+    h0, stack = m.embed(idx), lambda h: m.blocks[1](m.blocks[0](h))
+    assert torch.equal(m.loop_states(idx, 3)[-1], plain.loop_states(idx, 3)[-1])   # eval: deterministic, from zero
+    m.train()
+    torch.manual_seed(5)
+    H1 = m.loop_states(idx, 1)[0]
+    torch.manual_seed(5)
+    noise = 0.5 * torch.randn_like(h0) * h0.pow(2).mean(-1, keepdim=True).sqrt()
+    assert torch.allclose(H1, stack(noise + h0), atol=1e-5) and not torch.allclose(H1, stack(h0), atol=1e-3)
 
 
 def test_runs_beyond_training_depth_and_state_count():

@@ -10,6 +10,7 @@ import torch
 
 import data
 import report
+import stars
 import train
 from conftest import TRAIN_TINY, copy_run, file_bytes, run_train
 
@@ -121,3 +122,33 @@ def test_early_exit_curve_reads_final_norm_raw_before_the_trained_depth():
     for k in (3, 4, 5):  # at and past K, both curves are the model run at depth k
         assert abs(rows[k - 1]["ce"] - norm_rows[k - 1]["ce"]) < 1e-6 and rows[k - 1]["ce_run_at_k"] == rows[k - 1]["ce"]
     assert "ce_run_at_k" not in raw_rows[0]
+
+
+def test_depth_table_measures_the_rise_at_four_times_the_trained_depth(capsys):
+    # the depth study's --compare: CE at 1, 2, 4, 8, 16 and the worst CE − CE_K at 4K loops and deeper;
+    # ρ and tokens/s, the costly diagnostics, only at k <= 8, at 1, 2, 4, 8, 16, ... and at the last depth
+    from conftest import tiny
+    m = tiny(n_loops=4)
+    val = np.random.default_rng(0).integers(0, 61, 4000).astype(np.uint16)
+    rows, _ = report.evaluate_lm(m, val, train.TrainConfig(batch_size=2, eval_iters=1, seed=0), 17, "cpu",
+                                 contextlib.nullcontext())
+    timed = [r["k"] for r in rows if r["spectral_radius"] is not None]
+    assert timed == [1, 2, 3, 4, 5, 6, 7, 8, 16, 17] == [r["k"] for r in rows if r["tokens_per_s"]]
+    rep = {"config": {"n_loops": 4}, "per_loop": rows}
+    fig, _ = report.depth_table({"a": rep, "b": {"config": {"n_loops": 2}, "per_loop": rows}})
+    out = capsys.readouterr().out.splitlines()
+    a, b = (next(l for l in out if l.startswith(f"| {n} | ")).split(" | ") for n in "ab")
+    assert [float(c) for c in a[3:8]] == [round(rows[k - 1]["ce"], 3) for k in (1, 2, 4, 8, 16)]
+    assert float(a[8].rstrip(" |")) == round(rows[15]["ce"] - rows[3]["ce"], 3)                        # K 4: at 16
+    assert float(b[8].rstrip(" |")) == round(max(rows[k - 1]["ce"] for k in (8, 16)) - rows[1]["ce"], 3)  # K 2: 8, 16
+    assert a[2] == "n/a"  # no training settings in this report: its compute is unknown
+    fig.clf()
+    # a run's compute in loops a step, replayed from its settings: fixed 4 / DEQ-style 16 with gradient through 4 /
+    # log-normal with gradient through 2 after a curriculum of 3 steps at 4 loops (every loop with gradient)
+    cfg = lambda **kw: {**vars(train.TrainConfig(max_iters=10, seed=3, **kw)), "n_loops": 4}
+    assert report.training_loops(cfg()) == "4.0 / 4.0"
+    assert report.training_loops({**cfg(grad_loops=4), "n_loops": 16}) == "16.0 / 4.0"
+    ts = [stars.sample_loops(stars.step_generator(3, it), mu=2.0, sigma=0.7, loop_max=32)[0] for it in range(3, 10)]
+    want = f"{(12 + sum(ts)) / 10:.1f} / {(12 + sum(min(t, 2) for t in ts)) / 10:.1f}"
+    assert report.training_loops(cfg(loop_sampling="lognormal", loop_max=32, grad_loops=2, loop_start=3)) == want
+    assert report.training_loops(cfg(epochs=1.0)) == "n/a"

@@ -139,6 +139,7 @@ def test_stars_sample_loops_deterministic_and_exact_mean():
     exact = sum(k * (F_[k] - F_[k - 1]) for k in range(1, loop_max + 1))
     assert abs(sum(ts) / len(ts) / exact - 1) < 0.02, (sum(ts) / len(ts), exact)
     assert stars.sample_loops(None, kind="fixed", loop_max=4) == (4, None)
+    assert stars.sample_loops(None, kind="fixed", loop_max=16, grad_loops=4) == (16, 4)  # DEQ-style target
     assert all(b is None for _, b in draw(0, 10, mu=mu, sigma=sigma))
     # Paper B's lognormal with truncated backprop: the same depths, gradient through the last b = min(t, 4)
     assert [t for t, _ in draw(0, 200, mu=mu, sigma=sigma, grad_loops=4)] == ts[:200]

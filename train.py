@@ -86,8 +86,8 @@ class TrainConfig:
     loop_mean: float = setting(4.0, "poisson_lognormal: mean number of loops", above=0.0, hi=100_000.0)
     loop_start: int = setting(0, "sample depths from this step on; before it train at n_loops (a curriculum: the shallow "
                                  "task first; Paper B: 0)", lo=0, hi=10**12)
-    grad_loops: int = setting(0, "sampled depths: truncated backprop, gradient through the last N loops only (0: every "
-                                 "loop, as Paper B; Huginn: 8)", lo=0, hi=100_000)
+    grad_loops: int = setting(0, "truncated backprop, gradient through the last N loops only (0: every loop, as Paper B; "
+                                 "Huginn: 8; fixed depth n_loops > N: a DEQ-style target)", lo=0, hi=100_000)
     stars_lambda: float = setting(0.0, "STARS: weight of the Jacobian penalty (Paper B: 0.1; 0 = off)", lo=0.0, hi=1.0)
     stars_warmup: int = setting(2000, "steps before the STARS penalty is switched on", lo=0, hi=10**12)
     stars_mode: str = setting("vjp", "vjp: as Paper B's code | jvp: forward-mode AD", choices=stars.MODES)
@@ -156,8 +156,9 @@ def setup_device(cfg):
 def resume_settings(cfg, model_args, given, ckpt):
     """The checkpoint's settings, overridden by those given on this command line."""
     saved = {RENAMED.get(k) or k: v for k, v in ckpt["config"].items()}  # checkpoints of older versions
-    if "loop_start" not in saved and saved.get("loop_sampling") != "poisson_lognormal":
-        saved["grad_loops"] = 0  # before grad_loops applied to every sampler, only Huginn's used it
+    if ("loop_start" not in saved and saved.get("loop_sampling") != "poisson_lognormal") or (
+            "state_noise" not in ckpt["model_args"] and saved.get("loop_sampling") == "fixed"):
+        saved["grad_loops"] = 0  # older versions: only Huginn's sampler used it, then every sampler but fixed
     saved_model = LoopLMConfig.from_dict(ckpt["model_args"])
     names = {f.name for f in fields(TrainConfig)}
     cfg = TrainConfig(**{**{k: v for k, v in saved.items() if k in names}, **{k: getattr(cfg, k) for k in given if k in names},
@@ -221,10 +222,7 @@ def train(cfg, run, model, optimizer):
             # The depth comes from (seed, step) alone: every rank runs the same depth.
             torch.manual_seed(cfg.seed * 1_000_003 + it * 1009 + run.rank)  # dropout
             g = stars.step_generator(cfg.seed, it)
-            kind = cfg.loop_sampling if it >= cfg.loop_start else "fixed"
-            loop_max = cfg.loop_max if kind != "fixed" else model.config.n_loops
-            n_loops, grad_loops = stars.sample_loops(g, kind, cfg.loop_mu, cfg.loop_sigma, loop_max, cfg.loop_mean,
-                                                     cfg.grad_loops)
+            n_loops, grad_loops = stars.training_depth(cfg, it, model.config.n_loops, g)
             if run.rank:  # each rank its own batches
                 g = stars.step_generator(cfg.seed + 7919 * run.rank, it)
             lam = stars.lambda_at(it, cfg.stars_lambda, cfg.stars_warmup)
