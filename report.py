@@ -406,6 +406,11 @@ def drift_exponent(log_rows):
     return float(np.polyfit(np.log([r["iter"] for r in half]), np.log([r["norm_K"] for r in half]), 1)[0])
 
 
+def na(v, f):
+    """v formatted as f, or "n/a" for a value a report does not have (None)."""
+    return "n/a" if v is None else format(v, f)
+
+
 def compare_runs(dirs, out):
     """--compare: overlay several runs' plots in out/ and print a markdown table, a row per run.
     Addition runs: exact match vs loops. LM runs: PPL vs K and ‖H_K‖ vs training step."""
@@ -423,7 +428,6 @@ def compare_runs(dirs, out):
         axes.append((fig, ax))
     if add:
         ks = [k for k in DEPTHS if all(str(k) in rep["addition"]["accuracy"] for rep, _ in runs.values())]
-        fmt = lambda v, f: "n/a" if v is None else format(v, f)
         print("| run | " + " | ".join(f"K={k}" for k in ks) + " | ρ answer K=32 / 64 | ρ all K=32 / 64 | residual K=32 / 64 |\n|"
               + "---|" * (len(ks) + 4))
         for name, (rep, _) in runs.items():
@@ -431,7 +435,7 @@ def compare_runs(dirs, out):
             axes[0][1].plot([int(k) for k in a["accuracy"]], [100 * v for v in a["accuracy"].values()], label=name)
             pub = a.get("accuracy_public", {})  # strict | public (Paper B's protocol), in % at each depth
             cell = lambda k: f"{100 * a['accuracy'][str(k)]:.1f}" + (f" \\| {100 * pub[str(k)]:.0f}" if str(k) in pub else "")
-            pair = lambda d: " / ".join(fmt(d.get(k), ".3f" if d is not a["residual"] else ".1e") for k in ("32", "64"))
+            pair = lambda d: " / ".join(na(d.get(k), ".3f" if d is not a["residual"] else ".1e") for k in ("32", "64"))
             print(f"| {name} | " + " | ".join(cell(k) for k in ks) + f" | {pair(a.get('spectral_radius_answer', {}))} | "
                   f"{pair(a.get('spectral_radius', a.get('rho', {})))} | {pair(a['residual'])} |")
         axes[0][1].set(xlabel="loops at inference", ylabel="exact match (%)", xscale="log")
@@ -469,18 +473,17 @@ def depth_table(reports):
     import matplotlib.pyplot as plt
     n = min(len(rep["per_loop"]) for rep in reports.values())
     ks = [k for k in DEPTHS if k <= n]
-    fmt = lambda v, f: "n/a" if v is None else format(v, f)
     print("\n| run | K | loops a step: all / with gradient | " + " | ".join(f"CE K={k}" for k in ks)
           + " | CE − CE_K, worst column ≥ 4K |\n|" + "---|" * (len(ks) + 4))
     for name, rep in reports.items():  # the goal: no worse when run 4x (and more) deeper than trained
         rows, K = rep["per_loop"], rep["config"]["n_loops"]
         rise = max((rows[k - 1]["ce"] for k in ks if k >= 4 * K), default=None) if K <= n else None
         print(f"| {name} | {K} | {training_loops(rep['config'])} | " + " | ".join(f"{rows[k - 1]['ce']:.3f}" for k in ks)
-              + f" | {fmt(None if rise is None else rise - rows[K - 1]['ce'], '+.3f')} |")
+              + f" | {na(None if rise is None else rise - rows[K - 1]['ce'], '+.3f')} |")
     print("\n| run | " + " | ".join(f"‖H‖ / residual / ρ at K={k}" for k in ks) + " |\n|" + "---|" * (len(ks) + 1))
     for name, rep in reports.items():
-        cell = lambda r: (f"{r['norm_mean']:.3g} / {fmt(r['fixed_point_residual'], '.1e')} / "
-                          f"{fmt(r['spectral_radius'], '.2f')}")
+        cell = lambda r: (f"{r['norm_mean']:.3g} / {na(r['fixed_point_residual'], '.1e')} / "
+                          f"{na(r['spectral_radius'], '.2f')}")
         print(f"| {name} | " + " | ".join(cell(rep["per_loop"][k - 1]) for k in ks) + " |")
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for i, (name, rep) in enumerate(reports.items()):  # 10 colours x 2 line styles

@@ -164,7 +164,7 @@ def looplm_step_fn(model, h0):
     config.inject is on, and it is held fixed. The step always runs eagerly (the class's method,
     not a torch.compile'd model.step: compiled graphs have no double backward) with explicit
     attention, so jvp and double backward work even if the model's forward uses SDPA."""
-    h0 = None if h0 is None else h0.detach()
+    h0 = h0.detach()
 
     def step(h):
         with model.math_attention():
