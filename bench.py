@@ -316,6 +316,62 @@ def gpu_check(args):
     return 0 if all(v.get("rc", 0) == 0 for v in summary.values() if isinstance(v, dict)) else 1
 
 
+PRESETS = {  # --presets: each CPU preset's short run, ~100 steps and its final evaluation, at the preset's shapes
+    "cpu_tiny": "config/cpu_tiny.py",
+    "ablation_cpu": "config/ablation_cpu.py",
+    "depth_cpu": "config/depth_cpu.py",
+    "addition_cpu": "config/addition_cpu.py",
+    "addition_cpu_stars": "config/addition_cpu.py --loop_sampling lognormal --stars_lambda 0.1 --loop_start 0 "
+                          "--stars_warmup 0",
+}
+PHASES = {  # where a run's time goes: cumulative seconds in these functions (cProfile)
+    "data": "data.load_task_data", "train steps": "train.train", "evaluation": "report.evaluate",
+    "report and plots": "report.write_report", "checkpoints": "report.save_checkpoint", "sample": "sample.generate"}
+EVAL_PARTS = {  # inside the evaluation; what is left of it is CE, norms, residual, strict exact match
+    "eval: radial fraction": "looplm.radial_fraction", "eval: ρ power iteration": "report.loop_map_rho",
+    "eval: tokens/s": "report.depth_throughput", "eval: public addition protocol": "report.public_addition_accuracy"}
+
+
+def preset_runs(args):
+    """--presets: each preset's short run (python train.py PRESET --max_iters N) under cProfile, one thread, one
+    after the other; per preset its wall time, steps/s and the share of each phase (PHASES). Nested phases are
+    taken out of their parent (the evaluation out of the training loop, its parts out of it), so the shares
+    add up to 1."""
+    import cProfile  # noqa: F401 (run as python -m cProfile)
+    import pstats
+    import tempfile
+    out = {}
+    for name in filter(None, args.presets.split(",")):
+        if name not in PRESETS:
+            raise UsageError(f"--presets {name!r} is unknown; choose among {', '.join(PRESETS)}")
+        with tempfile.TemporaryDirectory() as tmp:
+            argv = [*PRESETS[name].split(), "--max_iters", str(args.preset_iters), "--eval_interval", str(args.preset_iters),
+                    "--num_threads", "1", "--out_dir", tmp, "--cache_dir", os.path.join(tmp, "cache")]
+            if args.data_dir and "addition" not in name:
+                argv += ["--data_dir", args.data_dir]
+            prof = os.path.join(tmp, "prof.out")
+            t0 = time.perf_counter()
+            r = subprocess.run([sys.executable, "-m", "cProfile", "-o", prof, "train.py", *argv], capture_output=True,
+                               text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=os.path.dirname(os.path.abspath(__file__)))
+            wall = time.perf_counter() - t0
+            if r.returncode:
+                raise RunError(f"--presets {name}: train.py failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+            cum = {}
+            for (file, _, func), (_, _, _, ct, _) in pstats.Stats(prof).stats.items():
+                key = f"{os.path.splitext(os.path.basename(file))[0]}.{func}"
+                cum[key] = max(cum.get(key, 0.0), ct)
+        sec = {phase: cum.get(fn, 0.0) for phase, fn in PHASES.items()}
+        sec["train steps"] -= cum.get("train.evaluate_and_save", 0.0)  # the evaluations and saves it makes
+        sec["start-up"] = wall - sum(sec.values())                    # process start, imports, the model
+        parts = {part: cum.get(fn, 0.0) for part, fn in EVAL_PARTS.items()}
+        sec["eval: CE, norms, residual, exact match"] = sec.pop("evaluation") - sum(parts.values())
+        sec.update(parts)
+        steps = sec["train steps"]
+        out[name] = {"wall_s": wall, "steps_per_s": args.preset_iters / steps if steps > 0 else float("nan"),
+                     **{k: v / wall for k, v in sec.items()}}
+    return out
+
+
 @dataclass
 class BenchConfig:
     """benchmark (bench.py)"""
@@ -348,6 +404,10 @@ class BenchConfig:
                                      "tiny shapes")
     dry: bool = setting(False, "--gpu_check on CPU, tiny shapes, a few steps: the code path without a GPU")
     check_out: str = setting("gpu_check.json", "where --gpu_check writes its summary")
+    presets: str = setting("", f"comma-separated, of {', '.join(PRESETS)}: each preset's short run under cProfile, "
+                               "one thread: wall time, steps/s, and the share of each phase (preset_runs)")
+    preset_iters: int = setting(100, "--presets: training steps of each short run", lo=1, hi=100_000)
+    data_dir: str = setting("", "--presets: a folder of WikiText-2 files for the presets that train on it (else the hub)")
     _memory: str = setting("", None)  # internal: the CPU memory child
 
 
@@ -375,6 +435,17 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     if args.gpu_check:
         return gpu_check(args)
+    if args.presets:
+        res = preset_runs(args)
+        if args.json:
+            return print(json.dumps(res, indent=1))
+        names = list(res)
+        print("| | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+        for key in res[names[0]]:
+            fmt = (lambda v: f"{v:.0f}") if key == "wall_s" else (lambda v: f"{v:.2f}") if key == "steps_per_s" \
+                else (lambda v: f"{100 * v:.1f}%")
+            print(f"| {key} | " + " | ".join(fmt(res[n][key]) for n in names) + " |")
+        return 0
     if args._memory:
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: allocations over 1 MiB get their own map
         shape = json.loads(args._memory)

@@ -14,6 +14,7 @@ exit 2) or RunError (the run cannot go on: a missing file, offline, a bad checkp
 import math
 import os
 import re
+import signal
 import sys
 from dataclasses import MISSING, field, fields
 
@@ -24,6 +25,16 @@ class UsageError(ValueError):
 
 class RunError(Exception):
     """The run cannot go on (missing file, offline, bad checkpoint): one line, exit 1."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, a job scheduler, torchrun), raised wherever Ctrl-C raises KeyboardInterrupt: every phase
+    stops the same way for both signals, with exit 143 instead of 130."""
+
+
+def interrupt(sig, _frame=None):
+    """A signal handler: raise what the signal means, KeyboardInterrupt (SIGINT) or Terminated (SIGTERM)."""
+    raise Terminated() if sig == signal.SIGTERM else KeyboardInterrupt()
 
 
 def setting(default, help, choices=None, lo=None, hi=None, above=None, type=None):
@@ -177,17 +188,21 @@ class QuietPipe:
 
 def command(name, body, interrupted=lambda: "interrupted"):
     """Run a command line's body the way every looplm command ends: UsageError -> one line, exit 2;
-    RunError -> one line, exit 1; Ctrl-C -> interrupted() as one line, exit 130; a closed stdout
+    RunError -> one line, exit 1; Ctrl-C -> interrupted() as one line, exit 130, and SIGTERM the same
+    with exit 143 (in every phase: its default would end the process without a word); a closed stdout
     pipe -> quiet. Returns the exit code."""
     if not isinstance(sys.stdout, QuietPipe):
         sys.stdout = QuietPipe(sys.stdout)
+    old_handler = signal.signal(signal.SIGTERM, interrupt)
     try:
         return body() or 0
     except UsageError as e:
         code, msg = 2, f"error: {e}"
     except RunError as e:
         code, msg = 1, f"error: {e}"
-    except KeyboardInterrupt:
-        code, msg = 130, interrupted()
+    except KeyboardInterrupt as e:
+        code, msg = 143 if isinstance(e, Terminated) else 130, interrupted()
+    finally:
+        signal.signal(signal.SIGTERM, old_handler or signal.SIG_DFL)
     print(f"{name}: {msg}", file=sys.stderr)
     return code

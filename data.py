@@ -63,9 +63,10 @@ def fit_regex_tokenizer(text, vocab_size=20000, min_freq=2):
     """Paper A's tokenizer: 4 specials + the most frequent regex tokens seen >= min_freq times."""
     counts = Counter(re.findall(REGEX, text))
     common = [t for t, c in counts.most_common(vocab_size - len(SPECIALS)) if c >= min_freq]
-    if len(common) < 100:  # almost every token would be <unk>: say so rather than train on it
+    unk = 1 - sum(counts[t] for t in common) / max(1, counts.total())
+    if unk > 0.5:  # most of the text would be <unk>: say so rather than train on it
         print(f"note: the regex vocabulary has only {len(common)} tokens seen at least {min_freq} times in the training "
-              "text: most tokens will be <unk>; use more text or --tokenizer bytes", file=sys.stderr)
+              f"text: {unk:.0%} of its tokens will be <unk>; use more text or --tokenizer bytes", file=sys.stderr)
     return {"kind": "regex", "vocab": SPECIALS + common}
 
 
@@ -97,6 +98,9 @@ def read_texts(cfg):
         if not paths:
             raise RunError("--dataset text needs --data_files A.txt[,B.txt]")
         texts = [read_file(p) for p in paths]
+        if len(texts) > 1 and texts[-1] in texts[:-1]:  # validating on training text would flatter every run
+            raise RunError(f"--data_files: the validation file {paths[-1]} (the last one) holds the same text as a "
+                           "training file; hold out another file, or give one file (its last 10% validates)")
         if len(texts) > 1:
             return "\n".join(texts[:-1]), texts[-1]  # the last file is the validation split
         cut = int(0.9 * len(texts[0]))
@@ -157,52 +161,89 @@ def read_file(path, what="data file"):
     return text
 
 
-def prepare_data(cfg):
-    """Tokenize once into uint16/uint32 memmaps under cache_dir; later runs reuse them.
-    Returns (train_tokens, val_tokens, tokenizer_meta)."""
+def prepare_data(cfg, meta=None):
+    """Tokenize once into uint16/uint32 memmaps under cache_dir; later runs reuse them. meta: a checkpoint's
+    tokenizer, used as it is (a regex vocabulary is never refit); else --tokenizer's (regex: fit on the
+    training text). Returns (train_tokens, val_tokens, tokenizer_meta).
+
+    The cache is keyed by what it is built from: the text of each split (a SHA-1 of the content of every
+    input file, in its role; the hub's datasets by name), the tokenizer and its vocabulary. Its meta.json,
+    written last, records each split's token count and checksum; every load checks them (load_cache)."""
     if isinstance(cfg, dict):  # a checkpoint's settings (sample.py)
         names = ("dataset", "data_dir", "data_files", "tokenizer", "cache_dir", "train_split")
         defaults = {"data_dir": "", "data_files": "", "train_split": "train", "cache_dir": "data_cache"}
         cfg = namedtuple("DataSettings", names)(**{**defaults, **{k: v for k, v in cfg.items() if k in names}})
-    src = {"wikitext2": cfg.data_dir, "text": cfg.data_files}.get(cfg.dataset, "")
-    stamp = [(os.path.abspath(p), os.path.getsize(p), int(os.path.getmtime(p)))
-             for p in src.split(",") if p and os.path.isfile(p)] if cfg.dataset == "text" else src
+    hub = cfg.dataset in HUB and not (cfg.dataset == "wikitext2" and cfg.data_dir)
+    texts = None if hub else read_texts(cfg)  # a missing or unreadable input is an error, never a smaller key
+    source = [cfg.dataset, cfg.train_split] if hub else [hashlib.sha1(t.encode()).hexdigest() for t in texts]
+    kind = meta["kind"] if meta else cfg.tokenizer
+    hub_split = "" if cfg.train_split == "train" or cfg.dataset not in HUB else f"-{cfg.train_split}"
+    prefix = re.sub(r"\W", "_", f"{cfg.dataset}{hub_split}-{kind}-")
     # a stable digest (not hash(), which changes with every Python process): the cache outlives the run
-    digest = hashlib.sha1(json.dumps(stamp).encode()).hexdigest()[:8] if src else ""
-    split = "" if cfg.train_split == "train" or cfg.dataset not in HUB else f"-{cfg.train_split}"
-    key = re.sub(r"\W", "_", f"{cfg.dataset}{split}-{cfg.tokenizer}-{digest}")
-    if cfg.dataset == "wikitext2" and os.path.isdir(cfg.data_dir):
-        key += "-" + str(sum(os.path.getsize(os.path.join(cfg.data_dir, f)) for f in os.listdir(cfg.data_dir)))
-    folder = os.path.join(cfg.cache_dir, key)
-    meta_path = os.path.join(folder, "meta.json")
-    if not os.path.isfile(meta_path):
-        train_text, val_text = read_texts(cfg)
-        meta = fit_regex_tokenizer(train_text) if cfg.tokenizer == "regex" else {"kind": cfg.tokenizer}
-        tok = get_tokenizer(meta)
-        dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
-        from tqdm import tqdm
-        try:
-            os.makedirs(folder, exist_ok=True)
-            for split, text in (("train", train_text), ("val", val_text)):
-                lines = text.splitlines(keepends=True)
-                chunks = ["".join(lines[i:i + 2000]) for i in range(0, len(lines), 2000)]
-                ids = [i for c in tqdm(chunks, desc=f"tokenizing {split}", disable=None) for i in tok.encode(c)]
-                if not ids:
-                    raise RunError(f"the {split} split of --dataset {cfg.dataset} has no tokens; use more text")
-                # write under a name of this process, then rename: torchrun ranks may tokenize at the same time
-                tmp = os.path.join(folder, f"{split}.{os.getpid()}.tmp")
-                arr = np.memmap(tmp, dtype=dtype, mode="w+", shape=(len(ids),))
-                arr[:] = ids
-                arr.flush()
-                del arr
-                os.replace(tmp, os.path.join(folder, f"{split}.bin"))
-            meta["dtype"] = np.dtype(dtype).name
-            atomic_write_text(meta_path, json.dumps(meta))  # written last: its presence means the cache is complete
-        except OSError as e:
+    name = lambda *key: os.path.join(cfg.cache_dir, prefix + hashlib.sha1(json.dumps(key).encode()).hexdigest()[:12])
+    folder = name(source, kind)
+    if meta and "vocab" in meta and (cache_meta(folder) or {}).get("vocab") != meta["vocab"]:
+        folder = name(source, kind, meta["vocab"])  # a vocabulary fit on other text: a cache of its own
+    cached = load_cache(folder)
+    if cached:
+        return cached
+    train_text, val_text = texts or read_texts(cfg)
+    meta = {k: meta[k] for k in ("kind", "vocab") if k in meta} if meta else \
+        fit_regex_tokenizer(train_text) if kind == "regex" else {"kind": kind}
+    tok = get_tokenizer(meta)
+    dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
+    record = {"tokens": [], "sha1": []}
+    from tqdm import tqdm
+    try:
+        os.makedirs(folder, exist_ok=True)
+        for split, text in (("train", train_text), ("val", val_text)):
+            lines = text.splitlines(keepends=True)
+            chunks = ["".join(lines[i:i + 2000]) for i in range(0, len(lines), 2000)]
+            ids = np.array([i for c in tqdm(chunks, desc=f"tokenizing {split}", disable=None) for i in tok.encode(c)],
+                           dtype=dtype)
+            if not len(ids):
+                raise RunError(f"the {split} split of --dataset {cfg.dataset} has no tokens; use more text")
+            # atomic: torchrun ranks may tokenize at the same time, and a killed writer's file is cleaned up
+            atomic_write(os.path.join(folder, f"{split}.bin"), ids.tofile)
+            record["tokens"].append(len(ids))
+            record["sha1"].append(hashlib.sha1(ids).hexdigest())
+        meta["dtype"] = np.dtype(dtype).name
+        atomic_write_text(os.path.join(folder, "meta.json"), json.dumps({**meta, **record}))  # last: complete
+    except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): no empty cache folder stays behind
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # (only if empty)
+        if isinstance(e, OSError):
             raise RunError(f"cannot write the token cache in {folder} ({e.strerror}); pick another --cache_dir") from None
-    meta = json.load(open(meta_path))
-    load = lambda s: np.memmap(os.path.join(folder, f"{s}.bin"), dtype=meta["dtype"], mode="r")
-    return load("train"), load("val"), meta
+        raise
+    return load_cache(folder)
+
+
+def cache_meta(folder):
+    """A token cache's meta.json, or None."""
+    try:
+        with open(os.path.join(folder, "meta.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def load_cache(folder):
+    """(train, val, tokenizer meta) of the token cache in folder, checked against the token counts and
+    SHA-1s its meta.json records; None if there is none, or, with a note, if it is damaged (a truncated
+    or edited .bin, a missing one): prepare_data then rebuilds it."""
+    meta = cache_meta(folder)
+    if meta is None:
+        return None
+    try:
+        splits = [np.memmap(os.path.join(folder, f"{s}.bin"), dtype=meta["dtype"], mode="r") for s in ("train", "val")]
+        counts, sums = meta.pop("tokens"), meta.pop("sha1")
+        if [len(d) for d in splits] == counts and [hashlib.sha1(d).hexdigest() for d in splits] == sums:
+            return (*splits, meta)
+        why = "its token files are not the ones meta.json records"
+    except (OSError, KeyError, TypeError, ValueError) as e:  # missing, empty, an odd size; an older cache's meta.json
+        why = f"{type(e).__name__}: {e}"
+    print(f"note: the token cache {folder} is damaged or incomplete ({why}); rebuilding it", file=sys.stderr)
+    return None
 
 
 def get_batch(data, batch_size, block_size, generator):
@@ -286,7 +327,11 @@ def padded_vocab(n):
 
 def load_task_data(cfg, model_args, ckpt):
     """train.py's data: (train tokens, validation tokens, tokenizer metadata), checked against model_args
-    (addition sets its block_size) and a resumed checkpoint's tokenizer."""
+    (addition sets its block_size); with a checkpoint, tokenized by its tokenizer (never a refit)."""
+    kind = "addition" if cfg.task == "addition" else cfg.tokenizer
+    if ckpt is not None and ckpt["tokenizer"]["kind"] != kind:
+        raise UsageError(f"the data's tokenizer ({kind}) is not the checkpoint's ({ckpt['tokenizer']['kind']}): token "
+                         "ids would not match the weights")
     if cfg.task == "addition":
         need = addition_block_size(cfg.digits)
         model_args["block_size"] = need if ckpt is None else model_args["block_size"]
@@ -299,14 +344,11 @@ def load_task_data(cfg, model_args, ckpt):
             raise UsageError(f"--eval_problems {cfg.eval_problems}: {e}") from None
         train_data, val_data, meta = None, None, {"kind": "addition"}
     else:
-        train_data, val_data, meta = prepare_data(cfg)
+        train_data, val_data, meta = prepare_data(cfg, ckpt and ckpt["tokenizer"])
         for split, d in (("training", train_data), ("validation", val_data)):
             if len(d) <= model_args["block_size"] + 1:  # fail now, not after training at the first eval
                 raise RunError(f"the {split} split has {len(d)} tokens, fewer than block_size+1="
                                f"{model_args['block_size'] + 1}; use more text or a smaller --block_size")
-    if ckpt is not None and {**ckpt["tokenizer"], "dtype": None} != {**meta, "dtype": None}:
-        raise UsageError(f"the data's tokenizer ({meta['kind']}) is not the checkpoint's ({ckpt['tokenizer']['kind']}, "
-                         "or a regex vocabulary fit on other text): token ids would not match the weights")
     return train_data, val_data, meta
 
 
@@ -321,10 +363,14 @@ def is_heldout(codes):
     return (codes % 2_147_483_647) * 48_271 % 2_147_483_647 % 50 == 0
 
 
-def _problems(n, digits, generator, heldout):
+def _problems(n, digits, generator, heldout, zeros=0.0):
     lo, hi = 10 ** (digits - 1), 10 ** digits
     a = torch.randint(lo, hi, (n,), generator=generator)
     b = torch.randint(lo, hi, (n,), generator=generator)
+    if zeros > 0:  # the curriculum's easy problems: each digit after the leading one is 0 with probability `zeros`
+        place = 10 ** torch.arange(digits - 1)  # (the leading digit stays 1-9: still d-digit operands)
+        a, b = (v - (v.unsqueeze(1) // place % 10 * place * (torch.rand(n, digits - 1, generator=generator) < zeros)).sum(1)
+                for v in (a, b))
     bad = is_heldout(a * hi + b) != heldout
     while not heldout and bad.any():  # redraw the held-out problems (2%)
         a[bad] = torch.randint(lo, hi, (int(bad.sum()),), generator=generator)
@@ -333,11 +379,12 @@ def _problems(n, digits, generator, heldout):
     return (a[~bad], b[~bad]) if heldout else (a, b)
 
 
-def addition_batch(n, digits, generator, heldout=False):
+def addition_batch(n, digits, generator, heldout=False, zeros=0.0):
     """n training problems "1750+4733= 3846§" (sum reversed, least significant digit first),
     right-padded; with heldout=True, a random subset of the n that are held out. Targets cover
-    the space, the answer digits and § only. Returns (x, y, codes a·10^d + b)."""
-    a, b = _problems(n, digits, generator, heldout)
+    the space, the answer digits and § only. zeros > 0: each operand digit but the leading one is 0
+    with that probability (easy problems, for a curriculum: addition_zeros). Returns (x, y, codes a·10^d + b)."""
+    a, b = _problems(n, digits, generator, heldout, zeros)
     d, s = digits, a + b
     L = d + (s >= 10 ** d).long()                                       # the sum has d or d+1 digits
     pos = torch.arange(addition_block_size(d))
@@ -356,6 +403,15 @@ def addition_batch(n, digits, generator, heldout=False):
     keep = (t >= 2 * d + 1) & (t < (2 * d + 3 + L).unsqueeze(1))
     y[:, :-1] = torch.where(keep, x[:, 1:], -1)
     return x, y, a * 10 ** d + b
+
+
+def addition_zeros(step, steps):
+    """The zero-digit curriculum (train.py --zero_digits_steps N): the probability that an operand digit is 0,
+    from 0.5 at step 0 down to 0 at step N, then 0 (Paper B's uniform problems). Why: on the loss plateau every
+    answer digit is at chance, because digit j of the sum, (a_j + b_j + carry) mod 10, tells nothing about a_j
+    alone: attending to one operand earns no gradient until the model attends to both (a saddle). Where b_j
+    is 0 the digit is a_j itself, and attending to a_j pays at once."""
+    return 0.5 * max(0.0, 1 - step / steps) if steps else 0.0
 
 
 def addition_heldout(digits, n):

@@ -9,11 +9,13 @@ logits from one run at the trained depth K, so final_norm's readout is raw at k 
 row's "ce". Beyond K, row k is the model run at depth k. For final_norm the curve of the model run
 at depth k (normalized at its own last loop) is also given, as "ce_run_at_k".
 """
+import fcntl
 import json
 import math
 import os
 import time
-from dataclasses import asdict
+from contextlib import suppress
+from dataclasses import asdict, fields
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 import stars
-from configurator import RunError, UsageError
-from data import ADDITION_CHARS, addition_heldout, atomic_write, atomic_write_text, get_batch
+from configurator import RENAMED, RunError, UsageError, check
+from data import ADDITION_CHARS, addition_heldout, atomic_write, atomic_write_text, get_batch, get_tokenizer
 from looplm import ARCHITECTURE, LoopLM, LoopLMConfig, fixed_point_residual, norm_stats, radial_fraction, token_norms
 
 
@@ -52,7 +54,60 @@ def load_checkpoint(path, device="cpu"):
         raise RunError(f"checkpoint {path} is unreadable ({why})") from None
     if not isinstance(ckpt, dict) or not {"model", "model_args", "config", "tokenizer"} <= ckpt.keys():
         raise RunError(f"{path} is not a looplm checkpoint (written by train.py)")
+    check_checkpoint(ckpt, path)
     return ckpt
+
+
+def check_checkpoint(ckpt, path):
+    """Every field that resume, --eval_only and sample.py read, checked once, on load: a checkpoint from
+    another version or program, or edited by hand, is one line naming the field, never a traceback later
+    nor a default filled in silently (a missing n_embd would build another shape)."""
+    def bad(what):
+        return RunError(f"checkpoint {path}: {what}; it was not written by this looplm (or was edited)")
+    for k in ("model", "model_args", "config", "tokenizer") + (("optimizer",) if "optimizer" in ckpt else ()):
+        if not isinstance(ckpt[k], dict):
+            raise bad(f"{k} is a {type(ckpt[k]).__name__}, not a dict")
+    for k, ok in (("iter_num", lambda v: type(v) is int and v >= 0),
+                  ("best_val_loss", lambda v: type(v) in (int, float) and not math.isnan(v))):
+        if k in ckpt and not ok(ckpt[k]):
+            raise bad(f"{k} is {ckpt[k]!r}")
+    tok, args, weights = ckpt["tokenizer"], ckpt["model_args"], ckpt["model"]
+    if tok.get("kind") not in ("gpt2", "bytes", "regex", "addition"):
+        raise bad(f"tokenizer.kind is {tok.get('kind')!r}, not gpt2, bytes, regex or addition")
+    vocab = tok.get("vocab")
+    if tok["kind"] == "regex" and not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)):
+        raise bad("tokenizer.vocab is not a list of strings")
+    # the settings the weights' shapes (and the trained depth) come from; defaults fill only newer settings
+    for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_loops"):
+        if k not in args and not (k == "n_loops" and "n_loop" in args):
+            raise bad(f"model_args lacks {k}")
+    try:
+        mcfg = LoopLMConfig.from_dict(args)
+    except UsageError as e:  # a wrong type or value: "--n_embd expects int, got '32'"
+        raise bad("model_args." + str(e).removeprefix("--")) from None
+    with torch.device("meta"):  # the shapes that model_args make, none allocated
+        want = LoopLM(mcfg).state_dict()
+    for k in sorted(want.keys() | weights.keys()):
+        if k not in weights or k not in want or not isinstance(weights[k], torch.Tensor):
+            raise bad(f"model.{k} " + ("is missing" if k not in weights else "is not a weight of this model"
+                                       if k not in want else "is not a tensor"))
+        if weights[k].shape != want[k].shape:
+            raise bad(f"model.{k} has shape {tuple(weights[k].shape)}, but model_args make {tuple(want[k].shape)}")
+    if tok["kind"] != "gpt2" and get_tokenizer(tok).vocab_size > mcfg.vocab_size:
+        raise bad(f"the tokenizer has {get_tokenizer(tok).vocab_size} tokens, more than model_args.vocab_size "
+                  f"{mcfg.vocab_size}")
+    if "optimizer" in ckpt and not isinstance(ckpt["optimizer"].get("state"), dict):
+        raise bad("optimizer.state is not a dict")
+    # the training settings that it has: each of its type and in its range, as train.py checks its own
+    from train import TrainConfig  # (here, not at the top: train.py imports this module)
+    names = {f.name for f in fields(TrainConfig)}
+    saved = {RENAMED.get(k) or k: v for k, v in ckpt["config"].items()}  # checkpoints of older versions
+    try:
+        check(TrainConfig(**{k: v for k, v in saved.items() if k in names}))
+    except UsageError as e:
+        raise bad("config." + str(e).removeprefix("--")) from None
+    if saved.get("task") == "addition" and "digits" not in saved:
+        raise bad("config lacks digits (an addition run's)")
 
 
 def model_from_checkpoint(ckpt, device="cpu"):
@@ -73,10 +128,19 @@ def build_model(cfg, mcfg, device, ckpt):
         model.load_state_dict(ckpt["model"])
         if not cfg.eval_only:
             wpe = [id(p) for g in optimizer.param_groups for p in g["params"]].index(id(model.wpe.weight))
-            for k, v in ckpt["optimizer"]["state"].get(wpe, {}).items():
-                if k in ("exp_avg", "exp_avg_sq"):
-                    ckpt["optimizer"]["state"][wpe][k] = v[:T]
-            optimizer.load_state_dict(ckpt["optimizer"])
+            try:
+                for k, v in ckpt["optimizer"]["state"].get(wpe, {}).items():
+                    if k in ("exp_avg", "exp_avg_sq"):
+                        ckpt["optimizer"]["state"][wpe][k] = v[:T]
+                optimizer.load_state_dict(ckpt["optimizer"])
+                for p, state in optimizer.state.items():  # (load_state_dict checks the count, not the shapes)
+                    if state["exp_avg"].shape != p.shape:
+                        raise ValueError(f"a moment of shape {tuple(state['exp_avg'].shape)} for a weight of "
+                                         f"{tuple(p.shape)}")
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+                raise RunError(f"checkpoint {os.path.join(cfg.out_dir, 'ckpt.pt')}: its optimizer state does not fit "
+                               f"the model ({type(e).__name__}: {e}); evaluate or sample it, or train from "
+                               "scratch") from None
     return model, optimizer
 
 
@@ -89,12 +153,13 @@ def evaluate(model, cfg, val_data, device, ctx, final=False):
     K_eval = cfg.eval_loops or (32 if cfg.task == "addition" else K)
     report = {"config": {**vars(cfg), **vars(mcfg)}, "params": model.num_params()}
     if cfg.task == "addition":
-        report["addition"] = addition_eval(model, cfg, K_eval, device)
+        report["addition"] = addition_eval(model, cfg, K_eval, device, final)
         acc = report["addition"]["accuracy"]
         val_loss = 1.0 - acc[str(min(K, K_eval))]
-        pub = report["addition"]["accuracy_public"]
-        print("exact match (strict | public) " + " ".join(f"K{k}={100 * acc[str(k)]:.1f}|{100 * pub[str(k)]:.0f}%"
-                                                          for k in DEPTHS if str(k) in acc))
+        pub = report["addition"].get("accuracy_public", {})  # (at the end of the run only)
+        print(f"exact match ({'strict | public' if pub else 'strict'}) " + " ".join(
+            f"K{k}={100 * acc[str(k)]:.1f}" + (f"|{100 * pub[str(k)]:.0f}" if pub else "") + "%"
+            for k in DEPTHS if str(k) in acc))
     else:
         rows, n_tok = evaluate_lm(model, val_data, cfg, K_eval, device, ctx)
         report["per_loop"], report["eval_tokens"] = rows, n_tok
@@ -103,7 +168,7 @@ def evaluate(model, cfg, val_data, device, ctx, final=False):
         last = rows[-1]
         print("val CE by loop " + " ".join(f"K{r['k']}={r['ce']:.4f}" for r in rows)
               + f" | ‖H_K‖ mean {last['norm_mean']:.1f} p99 {last['norm_p99']:.1f} max {last['norm_max']:.1f}"
-              f" | radial {last['radial_fraction']:.1e} | clamp ΔCE {last['clamp_delta_ce']:+.4f}")
+              f" | radial {last['radial_fraction']:.1e} | clamp ΔCE {na(last['clamp_delta_ce'], '+.4f')}")
         if final:
             x, _ = get_batch(val_data, 8, mcfg.block_size, torch.Generator().manual_seed(cfg.seed + 999))
             with torch.no_grad():
@@ -118,18 +183,25 @@ DEPTHS = (1, 2, 4, 8, 16, 32, 64, 100)  # where ρ and the public protocol are m
 
 
 @torch.no_grad()
-def addition_eval(model, cfg, n_loops, device):
-    """Exact match at every depth 1..n_loops by two protocols, and the loop map's ρ at a few depths.
+def addition_eval(model, cfg, n_loops, device, final=True):
+    """Exact match at every depth 1..n_loops by two protocols, the loop map's ρ at a few depths, and what
+    the model gets right digit by digit at its trained depth.
     strict (looplm's): the held-out problems, the space, every digit and § must all be right. Teacher
         forcing gives the same verdict as greedy decoding until §: the greedy answer is right iff the
         argmax is the true token at every answer position given the true prefix. So one pass to
         n_loops scores every depth.
     public (Paper B's random_test_formal.py): the first 100 problems, decoded greedily for exactly as
         many tokens as the true answer (space + digits), and only the digits compared, as an integer.
-    ρ: at the answer positions (the ones that decide the output) and at every position (padding too)."""
-    x, y, _ = addition_heldout(cfg.digits, cfg.eval_problems)
-    acc, resid = {}, {}
+    ρ: at the answer positions (the ones that decide the output) and at every position (padding too).
+    digits: at the trained depth K, the share right at each answer position (space, digit 0 = the units,
+        ..., then digit d or §), and for digits 1..d-1 split by the carry coming into them: a model on
+        the loss plateau has the space and the last position right and every digit at chance (10%).
+    Intermediate evaluations (final=False) measure exact match and digits only: public and ρ, the costly
+    ones (decoding 8 depths; 40 power iterations), are measured at the end of the run."""
+    x, y, codes = addition_heldout(cfg.digits, cfg.eval_problems)
+    K, d = min(model.config.n_loops, n_loops), cfg.digits
     correct = torch.zeros(n_loops, len(x), dtype=torch.bool)
+    right_K = torch.zeros(len(x), x.size(1), dtype=torch.bool)  # position by position, at depth K
     res_sum = torch.zeros(n_loops)
     for i in range(0, len(x), 250):
         xb, yb = x[i:i + 250].to(device), y[i:i + 250].to(device)
@@ -138,20 +210,32 @@ def addition_eval(model, cfg, n_loops, device):
         for k, h in enumerate(states, 1):
             pred = model.readout(h, k, max(k, model.config.n_loops)).argmax(-1)  # early exit, as evaluate_lm
             correct[k - 1, i:i + 250] = ((pred == yb) | ~mask).all(-1).cpu()
+            if k == K:
+                right_K[i:i + 250] = (pred == yb).cpu()
             if k > 1:
                 res_sum[k - 1] += fixed_point_residual(states[k - 2][mask], h[mask]) * len(xb)
-    for k in range(1, n_loops + 1):
-        acc[str(k)] = correct[k - 1].float().mean().item()
-        resid[str(k)] = res_sum[k - 1].item() / len(x) if k > 1 else None
+    acc = {str(k): correct[k - 1].float().mean().item() for k in range(1, n_loops + 1)}
+    resid = {str(k): res_sum[k - 1].item() / len(x) if k > 1 else None for k in range(1, n_loops + 1)}
+    first = 2 * d + 2                                   # the target column of the space (the input's "=")
+    a, b = codes // 10 ** d, codes % 10 ** d
+    digits = {"space": right_K[:, first].float().mean().item()}
+    for j in range(d + 1):                              # digit j of the reversed sum (digit d: its 5th, or §)
+        digits[f"digit{j}"] = right_K[:, first + 1 + j].float().mean().item()
+        if 0 < j < d:
+            carry = (a % 10 ** j + b % 10 ** j) >= 10 ** j
+            digits[f"digit{j}_carry"] = [right_K[~carry, first + 1 + j].float().mean().item(),
+                                         right_K[carry, first + 1 + j].float().mean().item()]
+    out = {"accuracy": acc, "residual": resid, "digits": digits}
+    if not final:
+        return out
     depths = [k for k in DEPTHS if k <= n_loops]
-    public = {str(k): public_addition_accuracy(model, x[:100], y[:100], k, device) for k in depths}
+    out["accuracy_public"] = {str(k): public_addition_accuracy(model, x[:100], y[:100], k, device) for k in depths}
     # spectral radius of the loop map at a few depths, on 64 problems (power iteration)
     xb, mask = x[:64].to(device), (y[:64] != -1).to(device)
     states, h0 = model.loop_states(xb, n_loops), model.embed(xb)
-    rho = {str(k): loop_map_rho(model, h0, k, states) for k in depths}
-    rho_answer = {str(k): loop_map_rho(model, h0, k, states, mask) for k in depths}
-    return {"accuracy": acc, "accuracy_public": public, "residual": resid, "spectral_radius": rho,
-            "spectral_radius_answer": rho_answer}
+    out["spectral_radius"] = {str(k): loop_map_rho(model, h0, k, states) for k in depths}
+    out["spectral_radius_answer"] = {str(k): loop_map_rho(model, h0, k, states, mask) for k in depths}
+    return out
 
 
 @torch.no_grad()
@@ -187,7 +271,7 @@ def loop_map_rho(model, h0, k, states, mask=None, iters=40):
 def evaluate_lm(model, val, cfg, K_eval, device, ctx):
     """Per loop k = 1..K_eval: CE/PPL, ‖H_k‖ stats (L2, per token), radial gradient fraction,
     fixed-point residual, spectral radius of the loop map, clamp ΔCE, tokens/s at depth k (ρ and tokens/s
-    at k <= 8, at DEPTHS and at K_eval only; None elsewhere).
+    at k <= 8, at DEPTHS and at K_eval only, the clamp at k <= max(8, K); None elsewhere).
     Row k's "ce" is the early-exit curve: loop k's readout in the run at the trained depth K
     (readout(h, k, K), Paper A's protocol), and beyond K the model run at depth k. For final_norm,
     "ce_run_at_k" adds the model run at depth k (normalized at loop k). Same batches for every k."""
@@ -196,23 +280,26 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
     batches = [get_batch(val, B, T, g) for _ in range(cfg.eval_iters)]
     ce, ce_run, ce_clamp, res = np.zeros(K_eval), np.zeros(K_eval), np.zeros(K_eval), np.zeros(K_eval)
     K_train, final_norm = model.config.n_loops, model.config.readout == "final_norm"
+    K_clamp = min(K_eval, max(8, K_train))  # the clamp (a second pass) at the trained depths, not at all 64
     norms = [[] for _ in range(K_eval)]
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
         x, y = x.to(device), y.to(device)
         with ctx:
             states = model.loop_states(x, K_eval)
-            clamped = model.loop_states(x, K_eval, clamp=True)
+            clamped = model.loop_states(x, K_clamp, clamp=True)
             for k in range(1, K_eval + 1):
                 lk = lambda s, K: F.cross_entropy(model.readout(s[k - 1], k, K).float().flatten(0, 1), y.flatten())
                 ce[k - 1] += lk(states, max(k, K_train)).item() / len(batches)
                 if final_norm and k < K_train:  # the only case where the run at depth k reads out differently
                     ce_run[k - 1] += lk(states, k).item() / len(batches)
-                ce_clamp[k - 1] += lk(clamped, max(k, K_train)).item() / len(batches)
+                if k <= K_clamp:
+                    ce_clamp[k - 1] += lk(clamped, max(k, K_train)).item() / len(batches)
                 norms[k - 1].append(token_norms(states[k - 1]).cpu())
                 if k > 1:
                     res[k - 1] += fixed_point_residual(states[k - 2], states[k - 1]) / len(batches)
-    x, y = batches[0][0].to(device), batches[0][1].to(device)
-    states = model.loop_states(x, K_eval)
+        if i == 0:  # the first batch's states: the radial fraction and ρ below
+            first = (x, y, states)
+    x, y, states = first
     h0 = model.embed(x[:4])
     rows = []
     timed = lambda k: k <= 8 or k in DEPTHS or k == K_eval  # ρ and tokens/s (the costly ones) at these depths only
@@ -225,7 +312,7 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
                      "radial_fraction": radial_fraction(model, states[k - 1], y, k, max(k, K_train)),
                      "fixed_point_residual": res[k - 1] if k > 1 else None,
                      "spectral_radius": rho,
-                     "clamp_delta_ce": ce_clamp[k - 1] - ce[k - 1],
+                     "clamp_delta_ce": ce_clamp[k - 1] - ce[k - 1] if k <= K_clamp else None,
                      "tokens_per_s": depth_throughput(model, x, k, device, ctx) if timed(k) else None})
     return rows, sum(len(n) for n in norms[0])
 
@@ -299,7 +386,9 @@ def plot_report(out_dir, report, log_rows):
 
 
 def writable_out_dir(out_dir, rank=0):
-    """Create out_dir and check that it takes a file now, not after hours of training."""
+    """Create out_dir and check that it takes a file now, not after hours of training. Returns whether
+    it made the folder (unlock_out_dir removes it again if the run leaves nothing in it)."""
+    made = not os.path.isdir(out_dir)
     try:
         os.makedirs(out_dir, exist_ok=True)
         probe = os.path.join(out_dir, f".write_test{rank}")
@@ -307,6 +396,55 @@ def writable_out_dir(out_dir, rank=0):
         os.remove(probe)
     except OSError as e:
         raise RunError(f"out_dir {out_dir} is not writable ({e.strerror}); pick another --out_dir") from None
+    return made
+
+
+def lock_out_dir(out_dir):
+    """One process per out_dir: an exclusive flock on out_dir/.lock, held for the run's lifetime. The
+    kernel releases it when the process ends, however it ends (kill -9 too), so there is never a stale
+    lock to clean up. A second process gets one line naming the holder's pid. Returns the lock file."""
+    path = os.path.join(out_dir, ".lock")
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise RunError(f"{out_dir} is in use by another run (pid {holder}); wait for it to end, or pick another "
+                           "--out_dir") from None
+        except OSError as e:
+            f.close()
+            raise RunError(f"cannot lock {path} ({e.strerror}); put --out_dir on a local file system") from None
+        with suppress(FileNotFoundError):  # the holder before us removes the file as it unlocks: lock the one there now
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+                break
+        f.close()
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def unlock_out_dir(lock, made=False):
+    """Release lock_out_dir's lock (its file goes first) and, if this run made out_dir (made) and left
+    nothing in it (a run that failed early), remove the folder."""
+    with suppress(FileNotFoundError):
+        os.remove(lock.name)
+    lock.close()
+    if made:
+        with suppress(OSError):  # (not empty: it stays)
+            os.rmdir(os.path.dirname(lock.name))
+
+
+def out_of_memory(e, batch_size, block_size, n_loops):
+    """e as one line if it is an out-of-memory error (CUDA's or the CPU allocator's), else e itself."""
+    if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e)):
+        return e
+    return RunError(f"out of memory at --batch_size {batch_size} --block_size {block_size} --n_loops {n_loops}: lower "
+                    "one of them (--gradient_accumulation_steps keeps the tokens per step; --checkpoint_loops keeps "
+                    "training memory flat in the depth)")
 
 
 def adopt_log(run, name="log.jsonl"):
@@ -319,22 +457,26 @@ def adopt_log(run, name="log.jsonl"):
 
 
 def guard_out_dir(out_dir, task, model_args):
-    """A new run is not let overwrite a run of another shape (or task) in out_dir: refuse, unless the
-    caller was told --overwrite. (A run of the same shape replaces it, as in nanoGPT.)"""
-    path = os.path.join(out_dir, "ckpt.pt")
-    if not os.path.exists(path):
-        return
-    try:
-        old = load_checkpoint(path)
-        saved = asdict(LoopLMConfig.from_dict(old["model_args"]))
-        diff = [f"{k} {saved[k]}" for k in ARCHITECTURE if saved[k] != model_args[k]]
-        if old["config"].get("task", "lm") != task:
-            diff.append(f"task {old['config'].get('task', 'lm')}")
-    except RunError:
-        diff = ["an unreadable checkpoint"]
-    if diff:
-        raise UsageError(f"{out_dir} holds a run of another shape ({', '.join(diff)}); pick another --out_dir, "
-                         "or --overwrite to replace it")
+    """A run from scratch never replaces a run in out_dir, finished or interrupted (ckpt.pt or
+    interrupted.pt), of any shape: refuse, naming what is there, unless the caller was told --overwrite."""
+    for name in ("ckpt.pt", "interrupted.pt"):
+        path = os.path.join(out_dir, name)
+        if not os.path.exists(path):
+            continue
+        try:
+            old = load_checkpoint(path)
+            saved = asdict(LoopLMConfig.from_dict(old["model_args"]))
+            diff = [f"{k} {saved[k]}" for k in ARCHITECTURE if saved[k] != model_args[k]]
+            if old["config"].get("task", "lm") != task:
+                diff.append(f"task {old['config'].get('task', 'lm')}")
+            shape = f" of another shape ({', '.join(diff)})" if diff else ""
+            best = old.get("best_val_loss", math.inf)
+            what = f"a run{shape} at step {old.get('iter_num', 0)} (best val loss " + \
+                   (f"{best:.4f})" if math.isfinite(best) else "not evaluated yet)")
+        except RunError:
+            what = "an unreadable checkpoint"
+        raise UsageError(f"{out_dir} holds {what} in {name}; continue it with --init_from resume, pick another "
+                         "--out_dir, or --overwrite to replace it")
 
 
 def append_log(path, row):
@@ -451,7 +593,7 @@ def compare_runs(dirs, out):
             print(f"| {name} | {last['norm_mean']:.1f} | {last['norm_p99']:.1f} | {last['norm_max']:.1f} | "
                   f"{last['radial_fraction']:.1e} | " + " | ".join(f"{r['ppl']:.3f}" for r in rows[:4])
                   + " | n/a" * (4 - min(4, len(rows))) +
-                  f" | {rows[min(3, len(rows) - 1)]['ppl'] - rows[0]['ppl']:+.3f} | {last['clamp_delta_ce']:+.4f} | "
+                  f" | {rows[min(3, len(rows) - 1)]['ppl'] - rows[0]['ppl']:+.3f} | {na(last['clamp_delta_ce'], '+.4f')} | "
                   + ("n/a" if b is None else f"{b:+.2f}") + " |")
         axes[0][1].set(xlabel="loops at inference (K)", ylabel="validation PPL")
         axes[1][1].set(xlabel="training step", ylabel="mean per-token ‖H_K‖₂ (train batch)")

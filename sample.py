@@ -259,10 +259,11 @@ def eval_data(ckpt, model, n, folder="."):
         except ValueError as e:
             raise UsageError(f"--eval_seqs {n or 400}: {e}") from None
         return x, y
-    # the training run's token cache if it is here, else one beside the checkpoint (never a new one here)
+    # the training run's token cache if it is here, else one beside the checkpoint (never a new one here),
+    # tokenized by the checkpoint's tokenizer (a regex vocabulary refit on the text would not be the model's)
     cache = cfg.get("cache_dir", "data_cache")
     _, val, _ = data.prepare_data({**cfg, "cache_dir": cache if os.path.isabs(cache) or os.path.isdir(cache) else
-                                   os.path.join(folder, cache)})
+                                   os.path.join(folder, cache)}, ckpt["tokenizer"])
     T = model.config.block_size
     if len(val) < T + 1:
         raise RunError(f"the validation split has {len(val)} tokens, fewer than block_size+1={T + 1}")
@@ -384,6 +385,11 @@ def run(args):
     ids = tok.encode(start)
     if not ids:
         raise UsageError("--start is empty: give at least one token of prompt")
+    if ckpt["tokenizer"]["kind"] == "regex" and 1 in ids:  # id 1 is <unk>: say which words the model cannot see
+        known = set(ckpt["tokenizer"]["vocab"])
+        lacking = list(dict.fromkeys(t for t in re.findall(data.REGEX, start) if t not in known))
+        print(f"note: {len(lacking)} word(s) of the prompt are not in this checkpoint's vocabulary and become <unk>: "
+              + ", ".join(map(repr, lacking[:5])) + (", ..." if len(lacking) > 5 else ""), file=sys.stderr)
     if len(ids) > bs:
         raise UsageError(f"the prompt is {len(ids)} tokens, longer than this checkpoint's block_size of {bs}; "
                        f"shorten --start to at most {bs} tokens")

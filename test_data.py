@@ -1,6 +1,7 @@
 """Tests of data.py: tokenizers, the token cache, the addition task, windows. Fast unless marked slow: `python -m pytest -q -m "not slow"`."""
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -37,13 +38,13 @@ def test_token_cache_is_reused_across_processes(train_text_file, tmp_path, monke
     [folder] = os.listdir(tmp_path)
     stamp = os.stat(tmp_path / folder / "train.bin").st_mtime_ns
 
-    def no_reading(cfg):
+    def no_tokenizing(meta):
         raise AssertionError("re-tokenized")
-    monkeypatch.setattr(data, "read_texts", no_reading)
+    monkeypatch.setattr(data, "get_tokenizer", no_tokenizing)
     tr2, _, _ = data.prepare_data(cfg)
     assert np.array_equal(tr, tr2) and os.stat(tmp_path / folder / "train.bin").st_mtime_ns == stamp
     # another Python process (another hash seed) must find the same folder
-    code = (f"import sys; sys.path.insert(0, {HERE!r}); import data, train; data.read_texts = None; "
+    code = (f"import sys; sys.path.insert(0, {HERE!r}); import data, train; data.get_tokenizer = None; "
             f"data.prepare_data(train.TrainConfig(dataset='text', data_files={train_text_file!r}, tokenizer='bytes', "
             f"cache_dir={str(tmp_path)!r}))")
     r = subprocess.run([sys.executable, "-c", code], env={**TRAIN_ENV, "PYTHONHASHSEED": "12345"},
@@ -153,3 +154,113 @@ def test_data_files_must_be_utf8_text_and_a_tiny_regex_vocabulary_is_reported(tm
             data.read_file(str(path))
     data.fit_regex_tokenizer("every word here is new and seen once only")
     assert "the regex vocabulary has only 1 tokens seen at least 2 times" in capsys.readouterr().err  # the space
+    data.fit_regex_tokenizer("a small text\n" * 3)  # few tokens, but all of them in the vocabulary: no note
+    assert capsys.readouterr().err == ""
+
+
+def text_of(tokens):  # a bytes-tokenized split as text
+    return bytes(tokens.tolist()).decode()
+
+
+def test_token_cache_is_keyed_by_every_input_in_its_role(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("alpha beta gamma\n" * 50)
+    b.write_text("delta epsilon\n" * 20)
+    cfg = lambda files: train.TrainConfig(dataset="text", data_files=files, tokenizer="bytes",
+                                          cache_dir=str(tmp_path / "c"))
+    tr, va, _ = data.prepare_data(cfg(f"{a}"))
+    assert text_of(tr) + text_of(va) == a.read_text()
+    # a typo in the validation file is an error, never the single-file cache
+    with pytest.raises(RunError, match=re.escape(f"data file {tmp_path}/valdi.txt not found")):
+        data.prepare_data(cfg(f"{a},{tmp_path}/valdi.txt"))
+    assert text_of(data.prepare_data(cfg(f"{a},{b}"))[1]) == b.read_text()  # the roles: b validates
+    assert text_of(data.prepare_data(cfg(f"{b},{a}"))[1]) == a.read_text()
+    with pytest.raises(RunError, match="validation file .*a.txt .* holds the same text as a training file"):
+        data.prepare_data(cfg(f"{a},{a}"))
+    a.write_text("ALPHA beta gamma\n" + "alpha beta gamma\n" * 49)  # the same size, another text: a new cache
+    assert text_of(data.prepare_data(cfg(f"{a}"))[0]).startswith("ALPHA")
+    # WikiText-2 from a folder: lines moved from train to valid keep the total size, not the cache
+    d = tmp_path / "wt2"
+    d.mkdir()
+    (d / "train.txt").write_text("one two\nthree four\n")
+    (d / "valid.txt").write_text("five six\n")
+    wt2 = train.TrainConfig(dataset="wikitext2", data_dir=str(d), tokenizer="bytes", cache_dir=str(tmp_path / "c"))
+    data.prepare_data(wt2)
+    (d / "train.txt").write_text("one two\n")
+    (d / "valid.txt").write_text("three four\nfive six\n")
+    tr, va, _ = data.prepare_data(wt2)
+    assert (text_of(tr), text_of(va)) == ("one two\n", "three four\nfive six\n")
+
+
+DAMAGED_CACHE = {  # how a token cache gets damaged -> (file, new bytes)
+    "truncated to an even size": ("train.bin", lambda b: b[:len(b) // 3 // 2 * 2]),
+    "an odd size": ("train.bin", lambda b: b[:-1]),
+    "empty": ("train.bin", lambda b: b""),
+    "val.bin missing": ("val.bin", None),
+    "out-of-range ids": ("train.bin", lambda b: b"\xff\xff" + b[2:]),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED_CACHE)
+def test_token_cache_checks_its_counts_and_checksums_and_rebuilds(case, train_text_file, tmp_path, capsys):
+    cfg = train.TrainConfig(dataset="text", data_files=train_text_file, tokenizer="bytes", cache_dir=str(tmp_path))
+    good = [np.array(t) for t in data.prepare_data(cfg)[:2]]
+    [folder] = os.listdir(tmp_path)
+    name, damage = DAMAGED_CACHE[case]
+    path = tmp_path / folder / name
+    if damage is None:
+        path.unlink()
+    else:
+        path.write_bytes(damage(path.read_bytes()))
+    killed = tmp_path / folder / f"{name}.{socket.gethostname()}.{2**22 + 12345}.tmp"  # a writer killed mid-write
+    killed.write_bytes(b"half a file")
+    capsys.readouterr()
+    tr, va, _ = data.prepare_data(cfg)
+    assert np.array_equal(tr, good[0]) and np.array_equal(va, good[1])
+    assert f"note: the token cache {tmp_path / folder} is damaged or incomplete" in capsys.readouterr().err
+    assert not killed.exists() and os.listdir(tmp_path) == [folder]
+
+
+def test_interrupted_tokenizing_leaves_no_cache_folder(train_text_file, tmp_path, monkeypatch):
+    def interrupted(meta):
+        def encode(text):
+            raise KeyboardInterrupt
+        return data.Tokenizer(encode, None, 256)
+    monkeypatch.setattr(data, "get_tokenizer", interrupted)
+    cfg = train.TrainConfig(dataset="text", data_files=train_text_file, tokenizer="bytes", cache_dir=str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        data.prepare_data(cfg)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_given_regex_vocabulary_is_used_as_it_is_never_refit(tmp_path):
+    lines = [f"w{i} w{i + 1} ." for i in range(200)] * 2
+    path = tmp_path / "t.txt"
+    path.write_text("\n".join(lines))
+    cfg = train.TrainConfig(dataset="text", data_files=str(path), tokenizer="regex", cache_dir=str(tmp_path / "c"))
+    _, _, meta = data.prepare_data(cfg)
+    # the same text in another order, and new words: a refit would give other ids
+    path.write_text("\n".join(lines[::-1] + ["brand new words"] * 50))
+    assert data.prepare_data(cfg)[2]["vocab"] != meta["vocab"]
+    tr, va, got = data.prepare_data(cfg, meta)
+    assert got["vocab"] == meta["vocab"]
+    tok = data.get_tokenizer(meta)
+    text = path.read_text()
+    assert np.array_equal(tr, tok.encode(text[:int(0.9 * len(text))])) and va.max() < len(meta["vocab"])
+
+
+def test_zero_digit_curriculum_makes_easy_problems_and_fades_to_paper_bs():
+    tok = data.get_tokenizer({"kind": "addition"})
+    plain = data.addition_batch(256, 4, torch.Generator().manual_seed(3))
+    same = data.addition_batch(256, 4, torch.Generator().manual_seed(3), zeros=0.0)
+    assert all(torch.equal(p, q) for p, q in zip(plain, same))  # off: the very stream of a run without it
+    x, _, codes = data.addition_batch(4096, 4, torch.Generator().manual_seed(3), zeros=0.5)
+    a, b = codes // 10_000, codes % 10_000
+    assert ((a >= 1000) & (b >= 1000)).all() and not data.is_heldout(codes).any()  # 4-digit operands, never held out
+    low = torch.stack([v // 10 ** i % 10 for v in (a, b) for i in range(3)])  # the digits after the leading one
+    assert abs((low == 0).float().mean().item() - (0.5 + 0.5 * 0.1)) < 0.02  # zeroed half the time, else 0 by chance
+    for row, code in zip(x[:64].tolist(), codes[:64].tolist()):  # and each problem is still a right sum
+        a_, b_ = divmod(code, 10_000)
+        assert tok.decode(row).startswith(f"{a_}+{b_}= {str(a_ + b_)[::-1]}§")
+    assert [data.addition_zeros(s, 400) for s in (0, 200, 400, 1000)] == [0.5, 0.25, 0.0, 0.0]
+    assert data.addition_zeros(0, 0) == 0.0  # the default: Paper B's problems from step 0

@@ -208,3 +208,27 @@ def test_cached_generation_carries_the_state_as_loop_states_does(variant, one_th
     x = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(0))
     cached, _ = sample.generate(m, x, 12, 4, temperature=0)
     assert torch.equal(cached, sample.generate(m, x, 12, 4, temperature=0, use_cache=False)[0])
+
+
+def test_sample_uses_the_checkpoints_regex_vocabulary_and_names_unknown_prompt_words(tmp_path, one_thread, capsys):
+    # --eval tokenizes the held-out text with the checkpoint's vocabulary, whatever the text's order or its new words
+    # (a refit would give other ids, or ids past the model's rows); a prompt word it lacks is named, not silently <unk>
+    import data
+    lines = [f"w{i} w{i + 1} ." for i in range(100)] * 2
+    path = tmp_path / "t.txt"
+    path.write_text("\n".join(lines))
+    meta = data.fit_regex_tokenizer("\n".join(lines))
+    m = tiny(vocab_size=len(meta["vocab"]))
+    ckpt = {"model": m.state_dict(), "model_args": asdict(m.config), "iter_num": 0, "tokenizer": meta,
+            "config": {"task": "lm", "dataset": "text", "data_files": str(path), "tokenizer": "regex",
+                       "cache_dir": str(tmp_path / "cache")}}
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    path.write_text("\n".join(lines[::-1] + ["brand new words ."] * 20))
+    x, y = sample.eval_data(report.load_checkpoint(tmp_path), m, 4, str(tmp_path))
+    text = path.read_text()
+    val = data.get_tokenizer(meta).encode(text[int(0.9 * len(text)):])
+    assert x[0].tolist() == val[:32] and y[0].tolist() == val[1:33]
+    assert sample.main(["--out_dir", str(tmp_path), "--start", "w1 zzz w2 qq", "--num_samples", "1",
+                        "--max_new_tokens", "2", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "note: 2 word(s) of the prompt are not in this checkpoint's vocabulary and become <unk>: 'zzz', 'qq'" in err

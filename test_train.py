@@ -83,13 +83,21 @@ def test_train_fresh_run_keeps_the_older_run_until_it_saves_and_refuses_another_
     # a run of another shape is refused, in one line, and touches nothing
     assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--n_embd", 64]) == 2
     assert "holds a run of another shape (n_embd 32)" in one_error_line(capsys)
-    # a run of the same shape that fails before its first save leaves the older run whole, log included
+    # so is a run of the same shape, naming what is there
+    assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out]) == 2
+    assert f"{out} holds a run at step 6 (best val loss " in one_error_line(capsys)
+    # a run told to --overwrite that fails before its first save leaves the older run whole, log included
     real = LoopLM.objective
     monkeypatch.setattr(LoopLM, "objective", lambda self, *a: (None, real(self, *a)[1] * float("nan")))
-    assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out]) == 1
+    assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--overwrite"]) == 1
     assert "non-finite" in one_error_line(capsys)
     assert file_bytes(*(os.path.join(out, f) for f in ("ckpt.pt", "log.jsonl", "report.json"))) == before
     assert sorted(os.listdir(out)) == sorted(os.listdir(trained_run))  # no log.jsonl.new left behind
+    # an interrupted run (interrupted.pt, beside no ckpt.pt) is not replaced either
+    other = copy_run(trained_run, tmp_path / "interrupted")
+    os.replace(os.path.join(other, "ckpt.pt"), os.path.join(other, "interrupted.pt"))
+    assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", other, "--no_always_save_checkpoint"]) == 2
+    assert f"{other} holds a run at step 6 (best val loss " in (msg := one_error_line(capsys)) and "in interrupted.pt" in msg
     monkeypatch.setattr(LoopLM, "objective", real)
     # with --overwrite the other shape replaces it; its log starts afresh once it saves
     assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--n_embd", 64, "--overwrite"]) == 0
@@ -106,21 +114,22 @@ def test_train_stale_temporary_files_of_killed_saves_are_cleaned(trained_run, tr
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
 
 
-def test_train_ctrl_c_while_evaluating_stops_at_once_and_names_the_saved_checkpoint(trained_run, train_data_args,
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_train_ctrl_c_while_evaluating_stops_at_once_and_names_the_saved_checkpoint(sig, trained_run, train_data_args,
                                                                                    tmp_path, monkeypatch, capsys):
     out = copy_run(trained_run, tmp_path / "run")
     real, calls = report.evaluate, []
 
-    def interrupted(*a, **k):  # the user presses Ctrl-C during the second evaluation
+    def interrupted(*a, **k):  # the user presses Ctrl-C (or kill sends SIGTERM) during the second evaluation
         calls.append(1)
         if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), sig)
             time.sleep(5)  # the handler raises before this ends
             raise AssertionError("Ctrl-C ignored")
         return real(*a, **k)
     monkeypatch.setattr(report, "evaluate", interrupted)
     argv = TRAIN_TINY + train_data_args + ["--out_dir", out, "--init_from", "resume", "--max_iters", 12]
-    assert run_train(argv) == 130
+    assert run_train(argv) == 128 + sig
     msg = one_error_line(capsys)
     assert msg == f"train.py: interrupted; {os.path.join(out, 'ckpt.pt')} holds step 9", msg
     assert report.load_checkpoint(out)["iter_num"] == 9
@@ -152,6 +161,11 @@ def test_train_resume_needs_a_full_checkpoint(trained_run, train_data_args, tmp_
     torch.save(ckpt, os.path.join(out, "ckpt.pt"))
     assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--init_from", "resume", "--max_iters", 9]) == 1
     assert "has no optimizer state: it can be evaluated (--eval_only) or sampled, not resumed" in one_error_line(capsys)
+    ckpt = torch.load(os.path.join(trained_run, "ckpt.pt"), weights_only=True)  # AdamW moments of another shape
+    ckpt["optimizer"]["state"][0]["exp_avg"] = ckpt["optimizer"]["state"][0]["exp_avg"][:, :8]
+    torch.save(ckpt, os.path.join(out, "ckpt.pt"))
+    assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--init_from", "resume", "--max_iters", 9]) == 1
+    assert "ckpt.pt: its optimizer state does not fit the model (ValueError: a moment of shape" in one_error_line(capsys)
 
 
 def test_train_addition_stream_ignores_evaluation_settings_and_curriculum_starts_deep_later(tmp_path):
@@ -393,7 +407,9 @@ def test_train_bad_input_one_line_nonzero_exit_nothing_overwritten(case, trained
              "empty_dir": tmp_path / "empty_dir"}
     fill = lambda s: s.format(**{k: str(v) for k, v in names.items()})
     before = {f: file_bytes(os.path.join(run, f)) for f in os.listdir(run)}
-    assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", run] + [fill(a) for a in argv]) == code
+    # --overwrite lets a run from scratch into the folder, so that the case's own error is the one told: even
+    # then, nothing there is lost
+    assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", run, "--overwrite"] + [fill(a) for a in argv]) == code
     err = one_error_line(capsys)
     assert err.startswith("train.py: error: ") and fill(msg) in err, err
     assert {f: file_bytes(os.path.join(run, f)) for f in os.listdir(run)} == before
@@ -476,3 +492,79 @@ def test_train_help_piped_into_head_ends_quietly():
     r = subprocess.run(f"{sys.executable} {os.path.join(HERE, 'train.py')} --help | head -3", shell=True,
                        capture_output=True, text=True, timeout=60)
     assert len(r.stdout.splitlines()) == 3 and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
+
+
+def test_train_one_process_per_out_dir_and_compare_and_sample_take_no_lock(trained_run, train_data_args, tmp_path, capsys):
+    import sample
+    out = copy_run(trained_run, tmp_path / "run")
+    before = {f: file_bytes(os.path.join(out, f)) for f in os.listdir(out)}
+    code = (f"import sys, time; sys.path.insert(0, {HERE!r}); import report; lock = report.lock_out_dir({out!r}); "
+            "print('locked', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=TRAIN_ENV)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        for argv in ([], ["--init_from", "resume", "--max_iters", 9], ["--init_from", "resume", "--eval_only"]):
+            assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out] + argv) == 1
+            assert f"{out} is in use by another run (pid {holder.pid}); wait for it to end" in one_error_line(capsys)
+        assert run_train(["--compare", out, "--out_dir", tmp_path / "cmp"]) == 0  # these only read
+        assert sample.main(["--out_dir", out, "--num_samples", "1", "--max_new_tokens", "2", "--device", "cpu"]) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert {f: file_bytes(os.path.join(out, f)) for f in os.listdir(out) if f != ".lock"} == before
+    # the kernel released the killed holder's lock: there is no stale lock to clean up
+    assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--init_from", "resume", "--max_iters", 7]) == 0
+    assert report.load_checkpoint(out)["iter_num"] == 7 and ".lock" not in os.listdir(out)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("phase", ["tokenizing", "eval_only", "sample"])
+def test_train_a_signal_in_any_phase_is_one_line_and_128_plus_signal(phase, sig, trained_run, train_data_args, tmp_path,
+                                                                     monkeypatch, capsys):
+    def signalled(*a, **k):
+        os.kill(os.getpid(), sig)
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("signal ignored")
+    out = str(tmp_path / "run")
+    if phase == "tokenizing":  # a cold cache and a new out_dir: neither is left behind, empty
+        monkeypatch.setattr(data, "get_tokenizer", lambda meta: data.Tokenizer(signalled, None, 256))
+        argv, held = ["--cache_dir", tmp_path / "cache"], "nothing was saved"
+    elif phase == "eval_only":
+        out = copy_run(trained_run, out)
+        monkeypatch.setattr(report, "evaluate", signalled)
+        argv, held = ["--init_from", "resume", "--eval_only"], f"{out}/ckpt.pt holds step 6"
+    else:  # the sample printed at the end of a run
+        import sample
+        monkeypatch.setattr(sample, "generate", signalled)
+        argv, held = ["--sample_tokens", "5"], f"{out}/ckpt.pt holds step 6"
+    assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out] + argv) == 128 + sig
+    assert one_error_line(capsys) == f"train.py: interrupted; {held}"
+    if phase == "tokenizing":
+        assert not os.path.exists(out) and os.listdir(tmp_path / "cache") == []
+
+
+def test_train_out_of_memory_is_one_line_naming_what_to_lower(train_data_args, tmp_path, monkeypatch, capsys):
+    for e in (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 281474976710656 bytes. Error code 12 (Cannot allocate memory)"),
+              torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 GiB")):
+        def oom(*a, **k):
+            raise e
+        monkeypatch.setattr(stars, "training_loss", oom)
+        assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", tmp_path / "run"]) == 1
+        assert "out of memory at --batch_size 4 --block_size 32 --n_loops 2: lower one of them" in one_error_line(capsys)
+        assert not os.path.exists(tmp_path / "run")  # a failed run leaves no empty out_dir behind
+
+
+def test_train_resume_and_eval_only_tokenize_with_the_checkpoints_vocabulary(train_text_file, tmp_path):
+    # the text changed after training (reordered, new words): a refit would give other ids, or ids past the model's rows
+    text = tmp_path / "t.txt"
+    text.write_text(open(train_text_file).read())
+    args = TRAIN_TINY + ["--tokenizer", "regex", "--dataset", "text", "--data_files", text, "--cache_dir", tmp_path / "c"]
+    out = tmp_path / "run"
+    assert run_train(args + ["--out_dir", out]) == 0
+    vocab = report.load_checkpoint(out)["tokenizer"]["vocab"]
+    text.write_text("\n".join(text.read_text().splitlines()[::-1]) + "\nbrand new words\n" * 50)
+    assert data.fit_regex_tokenizer(text.read_text())["vocab"] != vocab
+    assert run_train(args + ["--out_dir", out, "--init_from", "resume", "--eval_only"]) == 0
+    assert run_train(args + ["--out_dir", out, "--init_from", "resume", "--max_iters", 8]) == 0
+    assert report.load_checkpoint(out)["tokenizer"]["vocab"] == vocab

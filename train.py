@@ -27,7 +27,7 @@ import torch
 import data
 import report
 import stars
-from configurator import RENAMED, RunError, UsageError, check, command, parse, setting
+from configurator import RENAMED, RunError, UsageError, check, command, interrupt, parse, setting
 from looplm import ARCHITECTURE, LoopLMConfig, token_norms
 
 
@@ -43,7 +43,8 @@ class TrainConfig:
     log_interval: int = setting(10, "print and log a row every N steps", lo=1, hi=10**12)
     eval_iters: int = setting(20, "validation batches per evaluation (LM task)", lo=1, hi=100_000)
     always_save_checkpoint: bool = setting(True, "save at every evaluation, not only when the validation loss improves")
-    overwrite: bool = setting(False, "from scratch, replace a run of another shape in out_dir (otherwise refused)")
+    overwrite: bool = setting(False, "from scratch, replace the run in out_dir, finished or interrupted, of any shape "
+                                     "(otherwise refused)")
     compare: str = setting("", "comma-separated run folders: print a table of their reports, overlay their plots in "
                                "out_dir, and exit")
     # data
@@ -60,6 +61,9 @@ class TrainConfig:
                              choices=("gpt2", "bytes", "regex"))
     cache_dir: str = setting("data_cache", "where tokenized datasets are cached as memmaps")
     digits: int = setting(4, "operand digits of the addition task", lo=2, hi=8)
+    zero_digits_steps: int = setting(0, "addition: a curriculum, easy problems first: an operand digit (not the leading "
+                                        "one) is 0 with a probability falling from 0.5 to 0 over N steps (data.addition_zeros; "
+                                        "Paper B: 0)", lo=0, hi=10**12)
     window_stride: int = setting(0, "0: random windows (nanoGPT) | S: Paper A's epochs of windows starting every S "
                                     "tokens, shuffled (S = block_size/2: each token seen twice an epoch)", lo=0, hi=10**9)
     # optimization
@@ -186,7 +190,8 @@ def lr_at(cfg, it, max_iters):
 def get_batch(cfg, run, g, micro):
     """This micro-step's (x, y) on the device: addition problems, random windows, or Paper A's epochs."""
     if cfg.task == "addition":
-        x, y, _ = data.addition_batch(cfg.batch_size, cfg.digits, g)
+        zeros = data.addition_zeros(run.iter_num, cfg.zero_digits_steps)  # the curriculum's easy problems, if on
+        x, y, _ = data.addition_batch(cfg.batch_size, cfg.digits, g, zeros=zeros)
     elif cfg.window_stride:
         index = (run.iter_num * cfg.gradient_accumulation_steps + micro) * run.world + run.rank
         x, y = data.windows_batch(run.train_data, cfg.batch_size, run.block_size, cfg.window_stride, cfg.seed, index)
@@ -206,7 +211,7 @@ def train(cfg, run, model, optimizer):
 
     def on_signal(sig, _):
         if stop.get("evaluating"):
-            raise KeyboardInterrupt
+            interrupt(sig)  # KeyboardInterrupt or Terminated: exit 130 or 143
         stop.setdefault("sig", sig)
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     model.train()
@@ -365,6 +370,7 @@ def save_interrupted(cfg, run, model, optimizer):
 
 
 SAVED = {}  # the last checkpoint this process wrote or resumed from: what a Ctrl-C message points at
+LOCK = {}  # the out_dir's lock while a command runs (report.lock_out_dir) and whether the run made the folder
 
 
 def start(cfg, model_args, given):
@@ -373,7 +379,9 @@ def start(cfg, model_args, given):
         print("wrote " + ", ".join(report.compare_runs([d for d in cfg.compare.split(",") if d], cfg.out_dir)))
         return 0
     device, dtype, ctx, rank, world = setup_device(cfg)
-    report.writable_out_dir(cfg.out_dir, rank)
+    made = report.writable_out_dir(cfg.out_dir, rank)
+    if rank == 0:  # one process per out_dir, till main() ends (--compare and sample.py only read: no lock)
+        LOCK["out_dir"] = report.lock_out_dir(cfg.out_dir), made
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     ckpt = report.load_checkpoint(ckpt_path) if cfg.init_from == "resume" else None
     if ckpt is not None:
@@ -421,6 +429,8 @@ def start(cfg, model_args, given):
         if cfg.compile:  # stars.looplm_step_fn keeps the STARS penalty and the evaluation's ρ on the eager step
             model.step = torch.compile(model.step)
         code = train(cfg, run, model, optimizer)
+    except RuntimeError as e:  # out of memory (CUDA's OutOfMemoryError is one): one line saying what to lower
+        raise report.out_of_memory(e, cfg.batch_size, mcfg.block_size, mcfg.n_loops) from None
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()
@@ -439,9 +449,15 @@ def start(cfg, model_args, given):
 
 
 def main(argv=None):
-    # Ctrl-C outside the training steps (tokenizing, evaluating, sampling): say what is saved
-    return command("train.py", lambda: start(*settings(sys.argv[1:] if argv is None else argv)),
-                   lambda: "interrupted; " + (f"{SAVED['path']} holds step {SAVED['step']}" if SAVED else "nothing was saved"))
+    # Ctrl-C or SIGTERM outside the training steps (tokenizing, evaluating, sampling): say what is saved
+    SAVED.clear()
+    try:
+        return command("train.py", lambda: start(*settings(sys.argv[1:] if argv is None else argv)),
+                       lambda: "interrupted; " + (f"{SAVED['path']} holds step {SAVED['step']}" if SAVED else
+                                                  "nothing was saved"))
+    finally:
+        if LOCK:
+            report.unlock_out_dir(*LOCK.pop("out_dir"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,93 @@
+"""
+Depth as a dial on text: which recipe keeps a looped LM no worse at 16, 32 and 64 loops than at its training
+depth K, at no cost at K? Every recipe on two seeds; the page is a frontier: CE at K against the worst rise.
+
+    python experiments/depth.py                                  # every row on seeds 1, 2: depth.md
+    python experiments/depth.py --rows baseline,mean4 --seeds 3  # some rows, another seed
+    python experiments/depth.py --train_args "--data_dir DIR"    # offline: a folder of WikiText-2's valid.txt, test.txt
+
+config/depth_cpu.py: WikiText-2 bytes, d 128, 2 layers, K 4, 600 steps, evaluated at every depth 1..64.
+The goal: CE at 16, 32 and 64 within 0.01 nats of CE at K, with CE at K within 0.02 of the fixed-depth baseline.
+"""
+import study
+
+P = "config/depth_cpu.py"
+ROWS = {
+    "baseline": f"{P} --loop_sampling fixed",                                  # fixed 4 loops
+    "mean4": P,                                                                # depth ~ LogNormal, mean 4 loops
+    "deep": f"{P} --loop_mu 2 --grad_loops 4",                                 # Paper B's distribution, truncated
+    "inject-deep": f"{P} --inject --loop_mu 2 --grad_loops 4",
+    "raw-mean4": f"{P} --readout raw",
+    "penalty-mean4": f"{P} --norm_penalty 0.01",
+    "loopnorm-mean4": f"{P} --loop_norm",
+    "sandwich-mean4": f"{P} --block_norm sandwich",
+    "stars-mean4": f"{P} --stars_lambda 0.1 --stars_warmup 120 --stars_rows 4",
+    "stars-deep32-mean4": f"{P} --stars_lambda 0.1 --stars_warmup 120 --stars_rows 4 --stars_deep 32",
+    "inject-loopnorm-mean4": f"{P} --inject --loop_norm",
+    "inject-loopnorm-stars-mean4": f"{P} --inject --loop_norm --stars_lambda 0.1 --stars_warmup 120 --stars_rows 4",
+    "inject-loopnorm-noise1-mean4": f"{P} --inject --loop_norm --state_noise 1",     # Huginn's random start
+    "inject-loopnorm-noise0.3-mean4": f"{P} --inject --loop_norm --state_noise 0.3",
+    "inject-loopnorm-deep-from300": f"{P} --inject --loop_norm --loop_mu 2 --grad_loops 4 --loop_start 300",
+    "deq16-inject-loopnorm": f"{P} --loop_sampling fixed --inject --loop_norm --n_loops 16 --grad_loops 4",  # DEQ-style
+}
+QUICK = "--max_iters 4 --eval_interval 4 --eval_iters 1 --batch_size 4 --eval_loops 16 --dataset pydoc"
+DEPTHS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def rise(rep):
+    """The worst CE at 16, 32 and 64 loops (those evaluated, ≥ 4K) minus CE at the trained depth K."""
+    rows, K = rep["per_loop"], rep["config"]["n_loops"]
+    deep = [rows[k - 1]["ce"] for k in (16, 32, 64) if k <= len(rows) and k >= 4 * K]
+    return max(deep) - rows[K - 1]["ce"] if deep else None
+
+
+def page(runs, args):
+    import matplotlib.pyplot as plt
+    from report import training_loops
+    mr = study.mean_range
+    ce_K = lambda rep: rep["per_loop"][rep["config"]["n_loops"] - 1]["ce"]
+    n = min(len(rep["per_loop"]) for seeds in runs.values() for _, rep in seeds.values())
+    ks = [k for k in DEPTHS if k <= n]
+    lines = ["# Depth as a dial on text\n", study.provenance(runs, args),
+             "\nRecipes (`python train.py` options; each run adds `--seed S`):\n"]
+    lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
+    lines.append("\n## CE (nats per byte) at each depth, and the worst rise past 4K: mean (min–max) over seeds\n")
+    lines.append("| recipe | seeds | loops a step: all / with gradient | " + " | ".join(f"CE at {k}" for k in ks)
+                 + " | rise: worst of 16/32/64 − CE_K |\n|---|---|---|" + "---|" * (len(ks) + 1))
+    for name, seeds in runs.items():
+        reps = [rep for _, rep in seeds.values()]
+        lines.append(f"| {name} | {len(seeds)} | {training_loops(reps[0]['config'])} | "
+                     + " | ".join(mr([r["per_loop"][k - 1]["ce"] for r in reps], ".3f") for k in ks)
+                     + f" | {mr([rise(r) for r in reps], '+.3f')} |")
+    lines.append("\n## ‖H_k‖ / fixed-point residual / ρ of the loop map at each depth (seed mean)\n")
+    lines.append("| recipe | " + " | ".join(f"at {k}" for k in ks) + " |\n|---|" + "---|" * len(ks))
+    for name, seeds in runs.items():
+        reps = [rep for _, rep in seeds.values()]
+        m = lambda k, key: (lambda v: None if None in v else sum(v) / len(v))([r["per_loop"][k - 1][key] for r in reps])
+        cell = lambda k: " / ".join(study.mean_range([m(k, key)], fmt) for key, fmt in
+                                    (("norm_mean", ".3g"), ("fixed_point_residual", ".1e"), ("spectral_radius", ".2f")))
+        lines.append(f"| {name} | " + " | ".join(cell(k) for k in ks) + " |")
+    if "baseline" in runs:  # the goal, seed by seed against the baseline of the same seed
+        lines.append("\n## The goal, seed by seed\n")
+        for name, seeds in runs.items():
+            ok = [s for s, (_, rep) in seeds.items() if s in runs["baseline"] and rise(rep) is not None
+                  and rise(rep) <= 0.01 and ce_K(rep) - ce_K(runs["baseline"][s][1]) <= 0.02]
+            lines.append(f"- `{name}`: meets it on {len(ok)} of {len(seeds)} seeds")
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, (name, seeds) in enumerate(runs.items()):
+        pts = [(ce_K(rep), rise(rep)) for _, rep in seeds.values() if rise(rep) is not None]
+        if pts:
+            ax.scatter(*zip(*pts), label=name, color=plt.get_cmap("tab20")(i % 20), marker="*" if name == "baseline" else "o")
+    ax.axhline(0.01, color="gray", ls=":", lw=1)
+    ax.set(xlabel="validation CE at the training depth K (nats/byte)", ylabel="worst CE at 16/32/64 − CE at K",
+           title="the depth frontier: one point per recipe and seed (goal: bottom left)")
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))
+    png = study.savefig(fig, args, "frontier")
+    lines.insert(2, f"\n![the frontier: CE at K against the worst rise past 4K]({png})\n")
+    return "\n".join(lines) + "\n", [png]
+
+
+if __name__ == "__main__":
+    args = study.parse("depth", __doc__, "1,2", QUICK)
+    runs = study.run_all(ROWS, args)
+    study.write_page(args, *page(runs, args))

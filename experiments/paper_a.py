@@ -1,0 +1,88 @@
+"""
+Paper A (the readout blind spot) at CPU scale: the ablation on WikiText-2 bytes, ten rows on three seeds.
+
+    python experiments/paper_a.py                         # every row on seeds 1-3, two runs at once: paper_a.md
+    python experiments/paper_a.py --train_args "--data_dir DIR"   # offline: a folder of WikiText-2's valid.txt, test.txt
+    python experiments/paper_a.py --device cuda --jobs 8
+
+config/ablation_cpu.py is Paper A's recipe at CPU scale (its init: torch's defaults; constant LR, no warm-up;
+epochs of windows every half-window). Each row switches one of the paper's ideas.
+"""
+import study
+
+ROWS = {
+    "norm-terminal": "config/ablation_cpu.py --readout norm --no_per_loop_ce",
+    "raw-terminal": "config/ablation_cpu.py --readout raw --no_per_loop_ce",
+    "norm-perloop": "config/ablation_cpu.py --readout norm --per_loop_ce",           # the failing baseline
+    "raw-perloop": "config/ablation_cpu.py --readout raw --per_loop_ce",             # fix 1: the scale visible
+    "norm-perloop-penalty": "config/ablation_cpu.py --readout norm --per_loop_ce --norm_penalty 0.01",  # fix 2
+    "final_norm-perloop": "config/ablation_cpu.py --readout final_norm --per_loop_ce",
+    "norm-perloop-loop_norm": "config/ablation_cpu.py --readout norm --per_loop_ce --loop_norm",        # fix 3
+    "norm-perloop-lr3e-4": "config/ablation_cpu.py --readout norm --per_loop_ce --learning_rate 3e-4",  # the paper's LR
+    "nanogpt-norm-perloop": "config/ablation_cpu.py --readout norm --per_loop_ce --init nanogpt",       # another init
+    "nanogpt-raw-perloop": "config/ablation_cpu.py --readout raw --per_loop_ce --init nanogpt",
+}
+QUICK = "--max_iters 4 --eval_interval 4 --eval_iters 1 --batch_size 4 --dataset pydoc"
+
+
+def page(runs, args):
+    import matplotlib.pyplot as plt
+    from report import drift_exponent, read_log
+    mr = study.mean_range
+    col = lambda seeds, f, fmt: mr([f(rep, meta) for meta, rep in seeds.values()], fmt)
+    last = lambda rep: rep["per_loop"][-1]
+    ppl = lambda k: lambda rep, _: rep["per_loop"][k - 1]["ppl"]
+    cols = [("‖H_K‖ mean", lambda r, _: last(r)["norm_mean"], ".1f"), ("p99", lambda r, _: last(r)["norm_p99"], ".1f"),
+            ("radial fraction", lambda r, _: last(r)["radial_fraction"], ".1e"),
+            *[(f"PPL K={k}", ppl(k), ".3f") for k in (1, 2, 3, 4)],
+            ("ΔPPL 1→4", lambda r, _: r["per_loop"][3]["ppl"] - r["per_loop"][0]["ppl"], "+.3f"),
+            ("clamp ΔCE", lambda r, _: last(r)["clamp_delta_ce"], "+.4f"),
+            ("drift exponent b", lambda r, m: drift_exponent(read_log(m["out_dir"])), "+.2f")]
+    lines = ["# Paper A at CPU scale: the readout blind spot\n", study.provenance(runs, args),
+             "\nRecipes (`python train.py` options; each run adds `--seed S`):\n"]
+    lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
+    lines.append("\nPer row the mean (min–max) over seeds. ‖H_K‖: per-token L2 norm at the last loop over the validation "
+                 "bytes; PPL per byte, Paper A's early-exit curve (loop k read out in the 4-loop run); drift exponent b: "
+                 "the slope of log ‖H_K‖ against log step over the second half of training.\n")
+    lines.append("| run | seeds | " + " | ".join(c[0] for c in cols) + " |\n|---|---|" + "---|" * len(cols))
+    for name, seeds in runs.items():
+        lines.append(f"| {name} | {len(seeds)} | " + " | ".join(col(seeds, f, fmt) for _, f, fmt in cols) + " |")
+    # Paper A's claims, counted seed by seed where both rows ran
+    both = lambda a, b: [s for s in runs.get(a, {}) if s in runs.get(b, {})]
+    rep = lambda row, s: runs[row][s][1]
+    lines.append("\n## Paper A's claims, seed by seed\n")
+    seeds = both("norm-perloop", "raw-perloop")
+    if seeds:
+        ratio = [last(rep("norm-perloop", s))["norm_mean"] / last(rep("raw-perloop", s))["norm_mean"] for s in seeds]
+        lines.append(f"- Norm drift: per-loop `norm` ends at {min(ratio):.0f}x to {max(ratio):.0f}x the `raw` readout's "
+                     f"‖H_K‖; larger on {sum(r > 1 for r in ratio)} of {len(seeds)} seeds.")
+        gain = lambda row, s: rep(row, s)["per_loop"][3]["ppl"] - rep(row, s)["per_loop"][0]["ppl"]
+        lines.append(f"- Extra loops stop helping `norm`: ΔPPL 1→4 {mr([gain('norm-perloop', s) for s in seeds], '+.3f')} "
+                     f"against `raw` {mr([gain('raw-perloop', s) for s in seeds], '+.3f')}; `raw` gains more on "
+                     f"{sum(gain('raw-perloop', s) < gain('norm-perloop', s) for s in seeds)} of {len(seeds)} seeds.")
+        better = sum(rep("raw-perloop", s)["per_loop"][3]["ppl"] < rep("norm-perloop", s)["per_loop"][3]["ppl"] for s in seeds)
+        lines.append(f"- The fix gives a better model: `raw` ends below `norm` at K = 4 on {better} of {len(seeds)} seeds.")
+    norm_rows = [r for r in runs if not r.startswith(("raw", "nanogpt-raw"))]
+    rad = [last(m[1])["radial_fraction"] for r in norm_rows for m in runs[r].values()]
+    raw = [last(m[1])["radial_fraction"] for r in runs if r.startswith(("raw", "nanogpt-raw")) for m in runs[r].values()]
+    if rad and raw:
+        lines.append(f"- Radial blindness: radial fraction {min(rad):.1e} to {max(rad):.1e} for every run read out through "
+                     f"RMSNorm, {min(raw):.1e} to {max(raw):.1e} for the `raw` readout (Paper A: 1e-9 to 1e-8, ~1e-2).")
+    fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
+    for name, seeds in runs.items():
+        ks = [r["k"] for r in next(iter(seeds.values()))[1]["per_loop"]]
+        mean = lambda key: [sum(rep["per_loop"][k - 1][key] for _, rep in seeds.values()) / len(seeds) for k in ks]
+        ax[0].plot(ks, mean("ppl"), "o-", label=name)
+        ax[1].semilogy(ks, mean("norm_mean"), "o-", label=name)
+    ax[0].set(xlabel="loop k", ylabel="validation PPL (seed mean)")
+    ax[1].set(xlabel="loop k", ylabel="mean per-token ‖H_k‖₂ (seed mean)")
+    ax[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    png = study.savefig(fig, args, "ppl_norms")
+    lines.insert(2, f"\n![PPL and ‖H_k‖ by loop, seed means]({png})\n")
+    return "\n".join(lines) + "\n", [png]
+
+
+if __name__ == "__main__":
+    args = study.parse("paper_a", __doc__, "1,2,3", QUICK)
+    runs = study.run_all(ROWS, args)
+    study.write_page(args, *page(runs, args))

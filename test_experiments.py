@@ -1,0 +1,38 @@
+"""Tests of experiments/: the study scripts' machinery, and one study end to end with --quick (slow)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import HERE, TRAIN_ENV
+
+sys.path.insert(0, os.path.join(HERE, "experiments"))
+import study  # noqa: E402
+
+
+def test_mean_range_is_the_mean_and_the_extremes_of_the_seeds():
+    assert study.mean_range([0.99, 1.0, 0.97], ".1f", 100) == "98.7 (97.0–100.0)"
+    assert study.mean_range([0.5], ".2f") == "0.50"
+    assert study.mean_range([0.5, None]) == "n/a"  # a seed that lacks the value: no mean of the others
+
+
+@pytest.mark.slow
+def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(tmp_path):
+    cmd = [sys.executable, "experiments/paper_b.py", "--quick", "--out", str(tmp_path), "--runs", str(tmp_path / "runs")]
+    r = subprocess.run(cmd, cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    page = (tmp_path / "paper_b-quick.md").read_text()
+    assert (tmp_path / "paper_b-quick_accuracy.png").stat().st_size > 0
+    metas = {}
+    for row in ("baseline", "sampling"):
+        rep = json.load(open(tmp_path / "runs" / row / "s1" / "report.json"))
+        acc = rep["addition"]["accuracy"]
+        cells = " | ".join(f"{100 * acc[str(k)]:.1f}" for k in (1, 2, 4))
+        assert f"| {row} | 1 | {cells} |" in page  # the table is the runs' report.json, digit for digit
+        meta = metas[row] = json.load(open(tmp_path / "runs" / row / "s1" / "run.json"))
+        assert meta["finished"] and meta["wall_s"] > 0 and "--seed" in meta["argv"]
+    again = subprocess.run(cmd, cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "done: baseline seed 1 (" in again.stdout
+    assert metas["baseline"] == json.load(open(tmp_path / "runs" / "baseline" / "s1" / "run.json"))  # not run again
