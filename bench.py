@@ -93,7 +93,7 @@ def train_step(model, opt, X, Y, K, ctx, lam=0.0, mode="vjp", rows=0, grad_loops
     """One AdamW step with grad clip 1.0, with train.py's loss (stars.training_loss). lam > 0 adds the
     STARS penalty at the last loop's state (on the first `rows` sequences of the batch only, if rows > 0)."""
     with ctx:
-        loss, _, _ = stars.training_loss(model, X, Y, K, grad_loops, lam, mode, rows, checkpoint=checkpoint)
+        loss, _, _ = stars.training_loss(model, X, Y, K, grad_loops, stars.Penalty(lam, mode, rows), checkpoint)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
@@ -326,7 +326,7 @@ PRESETS = {  # --presets: each CPU preset's short run, ~100 steps and its final 
 }
 PHASES = {  # where a run's time goes: cumulative seconds in these functions (cProfile)
     "data": "data.load_task_data", "train steps": "train.train", "evaluation": "report.evaluate",
-    "report and plots": "report.write_report", "checkpoints": "report.save_checkpoint", "sample": "sample.generate"}
+    "report and plots": "report.write_report", "checkpoints": "checkpoint.save_checkpoint", "sample": "sample.generate"}
 EVAL_PARTS = {  # inside the evaluation; what is left of it is CE, norms, residual, strict exact match
     "eval: radial fraction": "looplm.radial_fraction", "eval: ρ power iteration": "report.loop_map_rho",
     "eval: tokens/s": "report.depth_throughput", "eval: public addition protocol": "report.public_addition_accuracy"}
@@ -337,7 +337,6 @@ def preset_runs(args):
     after the other; per preset its wall time, steps/s and the share of each phase (PHASES). Nested phases are
     taken out of their parent (the evaluation out of the training loop, its parts out of it), so the shares
     add up to 1."""
-    import cProfile  # noqa: F401 (run as python -m cProfile)
     import pstats
     import tempfile
     out = {}
@@ -352,7 +351,8 @@ def preset_runs(args):
             prof = os.path.join(tmp, "prof.out")
             t0 = time.perf_counter()
             r = subprocess.run([sys.executable, "-m", "cProfile", "-o", prof, "train.py", *argv], capture_output=True,
-                               text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=os.path.dirname(os.path.abspath(__file__)))
+                               text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                               cwd=args.presets_repo or os.path.dirname(os.path.abspath(__file__)))
             wall = time.perf_counter() - t0
             if r.returncode:
                 raise RunError(f"--presets {name}: train.py failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -408,6 +408,7 @@ class BenchConfig:
                                "one thread: wall time, steps/s, and the share of each phase (preset_runs)")
     preset_iters: int = setting(100, "--presets: training steps of each short run", lo=1, hi=100_000)
     data_dir: str = setting("", "--presets: a folder of WikiText-2 files for the presets that train on it (else the hub)")
+    presets_repo: str = setting("", "--presets: run the train.py of this checkout (an older commit, say) instead of this one's")
     _memory: str = setting("", None)  # internal: the CPU memory child
 
 

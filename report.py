@@ -1,6 +1,5 @@
 """
-report.py: what a run leaves behind and what it measures. Checkpoints (save, load), the
-evaluation that fills report.json (per loop k: CE, ‖H_k‖, radial fraction, fixed-point residual,
+report.py: what a run measures. The evaluation that fills report.json (per loop k: CE, ‖H_k‖, radial fraction, fixed-point residual,
 spectral radius, clamp ΔCE, tokens/s; addition: exact match at every depth), the plots, and
 `train.py --compare`, which tables and overlays several runs.
 
@@ -9,13 +8,10 @@ logits from one run at the trained depth K, so final_norm's readout is raw at k 
 row's "ce". Beyond K, row k is the model run at depth k. For final_norm the curve of the model run
 at depth k (normalized at its own last loop) is also given, as "ce_run_at_k".
 """
-import fcntl
 import json
 import math
 import os
 import time
-from contextlib import suppress
-from dataclasses import asdict, fields
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,128 +19,23 @@ import torch
 import torch.nn.functional as F
 
 import stars
-from configurator import RENAMED, RunError, UsageError, check
-from data import ADDITION_CHARS, addition_heldout, atomic_write, atomic_write_text, get_batch, get_tokenizer
-from looplm import ARCHITECTURE, LoopLM, LoopLMConfig, fixed_point_residual, norm_stats, radial_fraction, token_norms
-
-
-# ---------------------------------------------------------------- checkpoints
-def save_checkpoint(path, obj):
-    """Write to a temporary file, then rename: a crash mid-write never destroys the last checkpoint."""
-    try:
-        atomic_write(path, lambda tmp: torch.save(obj, tmp))
-    except (OSError, RuntimeError) as e:  # disk full: torch.save raises RuntimeError, open() OSError
-        raise RunError(f"cannot write checkpoint {path} ({getattr(e, 'strerror', None) or str(e).splitlines()[0]}); "
-                       "the previous one, if any, is intact") from None
-
-
-def load_checkpoint(path, device="cpu"):
-    """Load ckpt.pt (a directory or a file) with weights_only=True: a checkpoint cannot run code."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "ckpt.pt")
-    if not os.path.isfile(path):
-        raise RunError(f"no checkpoint at {path}; train one first (or use --init_from scratch)")
-    try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-    except PermissionError:
-        raise RunError(f"checkpoint {path} is not readable (permission denied)") from None
-    except Exception as e:
-        why = ("it holds objects other than tensors and plain data, which weights_only=True refuses to unpickle"
-               if "unsupported global" in str(e).lower() else f"truncated or corrupted? {type(e).__name__}")
-        raise RunError(f"checkpoint {path} is unreadable ({why})") from None
-    if not isinstance(ckpt, dict) or not {"model", "model_args", "config", "tokenizer"} <= ckpt.keys():
-        raise RunError(f"{path} is not a looplm checkpoint (written by train.py)")
-    check_checkpoint(ckpt, path)
-    return ckpt
-
-
-def check_checkpoint(ckpt, path):
-    """Every field that resume, --eval_only and sample.py read, checked once, on load: a checkpoint from
-    another version or program, or edited by hand, is one line naming the field, never a traceback later
-    nor a default filled in silently (a missing n_embd would build another shape)."""
-    def bad(what):
-        return RunError(f"checkpoint {path}: {what}; it was not written by this looplm (or was edited)")
-    for k in ("model", "model_args", "config", "tokenizer") + (("optimizer",) if "optimizer" in ckpt else ()):
-        if not isinstance(ckpt[k], dict):
-            raise bad(f"{k} is a {type(ckpt[k]).__name__}, not a dict")
-    for k, ok in (("iter_num", lambda v: type(v) is int and v >= 0),
-                  ("best_val_loss", lambda v: type(v) in (int, float) and not math.isnan(v))):
-        if k in ckpt and not ok(ckpt[k]):
-            raise bad(f"{k} is {ckpt[k]!r}")
-    tok, args, weights = ckpt["tokenizer"], ckpt["model_args"], ckpt["model"]
-    if tok.get("kind") not in ("gpt2", "bytes", "regex", "addition"):
-        raise bad(f"tokenizer.kind is {tok.get('kind')!r}, not gpt2, bytes, regex or addition")
-    vocab = tok.get("vocab")
-    if tok["kind"] == "regex" and not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)):
-        raise bad("tokenizer.vocab is not a list of strings")
-    # the settings the weights' shapes (and the trained depth) come from; defaults fill only newer settings
-    for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_loops"):
-        if k not in args and not (k == "n_loops" and "n_loop" in args):
-            raise bad(f"model_args lacks {k}")
-    try:
-        mcfg = LoopLMConfig.from_dict(args)
-    except UsageError as e:  # a wrong type or value: "--n_embd expects int, got '32'"
-        raise bad("model_args." + str(e).removeprefix("--")) from None
-    with torch.device("meta"):  # the shapes that model_args make, none allocated
-        want = LoopLM(mcfg).state_dict()
-    for k in sorted(want.keys() | weights.keys()):
-        if k not in weights or k not in want or not isinstance(weights[k], torch.Tensor):
-            raise bad(f"model.{k} " + ("is missing" if k not in weights else "is not a weight of this model"
-                                       if k not in want else "is not a tensor"))
-        if weights[k].shape != want[k].shape:
-            raise bad(f"model.{k} has shape {tuple(weights[k].shape)}, but model_args make {tuple(want[k].shape)}")
-    if tok["kind"] != "gpt2" and get_tokenizer(tok).vocab_size > mcfg.vocab_size:
-        raise bad(f"the tokenizer has {get_tokenizer(tok).vocab_size} tokens, more than model_args.vocab_size "
-                  f"{mcfg.vocab_size}")
-    if "optimizer" in ckpt and not isinstance(ckpt["optimizer"].get("state"), dict):
-        raise bad("optimizer.state is not a dict")
-    # the training settings that it has: each of its type and in its range, as train.py checks its own
-    from train import TrainConfig  # (here, not at the top: train.py imports this module)
-    names = {f.name for f in fields(TrainConfig)}
-    saved = {RENAMED.get(k) or k: v for k, v in ckpt["config"].items()}  # checkpoints of older versions
-    try:
-        check(TrainConfig(**{k: v for k, v in saved.items() if k in names}))
-    except UsageError as e:
-        raise bad("config." + str(e).removeprefix("--")) from None
-    if saved.get("task") == "addition" and "digits" not in saved:
-        raise bad("config lacks digits (an addition run's)")
-
-
-def model_from_checkpoint(ckpt, device="cpu"):
-    model = LoopLM(LoopLMConfig.from_dict(ckpt["model_args"]))
-    model.load_state_dict(ckpt["model"])
-    return model.to(device).eval()
-
-
-def build_model(cfg, mcfg, device, ckpt):
-    """The model and its AdamW, from scratch (seeded) or from the checkpoint."""
-    torch.manual_seed(cfg.seed)
-    model = LoopLM(mcfg).to(device)
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.split(":")[0])
-    if ckpt is not None:
-        # a smaller --block_size keeps the first positions of the position embedding (and their AdamW moments)
-        T = mcfg.block_size
-        ckpt["model"]["wpe.weight"] = ckpt["model"]["wpe.weight"][:T]
-        model.load_state_dict(ckpt["model"])
-        if not cfg.eval_only:
-            wpe = [id(p) for g in optimizer.param_groups for p in g["params"]].index(id(model.wpe.weight))
-            try:
-                for k, v in ckpt["optimizer"]["state"].get(wpe, {}).items():
-                    if k in ("exp_avg", "exp_avg_sq"):
-                        ckpt["optimizer"]["state"][wpe][k] = v[:T]
-                optimizer.load_state_dict(ckpt["optimizer"])
-                for p, state in optimizer.state.items():  # (load_state_dict checks the count, not the shapes)
-                    if state["exp_avg"].shape != p.shape:
-                        raise ValueError(f"a moment of shape {tuple(state['exp_avg'].shape)} for a weight of "
-                                         f"{tuple(p.shape)}")
-            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-                raise RunError(f"checkpoint {os.path.join(cfg.out_dir, 'ckpt.pt')}: its optimizer state does not fit "
-                               f"the model ({type(e).__name__}: {e}); evaluate or sample it, or train from "
-                               "scratch") from None
-    return model, optimizer
+from checkpoint import read_log
+from configurator import RunError, UsageError
+from data import ADDITION_CHARS, addition_heldout, atomic_write_text, get_batch
+from looplm import fixed_point_residual, norm_stats, radial_fraction, token_norms
 
 
 # ---------------------------------------------------------------- evaluation
+def curve_depth(model, k):
+    """The depth of the run whose loop k an evaluation row k reads out (model.readout(h, k, this)), which
+    makes the early-exit curve: up to the trained depth K, loop k of the run at depth K (Paper A's protocol:
+    one run, every loop a possible exit; final_norm is then raw before K); past K, the model run at depth k,
+    its last loop. Only final_norm reads loop k differently in the two (ce_run_at_k gives the other)."""
+    return max(k, model.config.n_loops)
+
+
+
+
 def evaluate(model, cfg, val_data, device, ctx, final=False):
     """Evaluate at loops 1..eval_loops: (validation loss that picks the best checkpoint, report dict).
     The loss is CE at the trained depth (LM), or 1 − exact match there (addition)."""
@@ -183,6 +74,8 @@ DEPTHS = (1, 2, 4, 8, 16, 32, 64, 100)  # where ρ and the public protocol are m
 
 
 @torch.no_grad()
+
+
 def addition_eval(model, cfg, n_loops, device, final=True):
     """Exact match at every depth 1..n_loops by two protocols, the loop map's ρ at a few depths, and what
     the model gets right digit by digit at its trained depth.
@@ -193,9 +86,9 @@ def addition_eval(model, cfg, n_loops, device, final=True):
     public (Paper B's random_test_formal.py): the first 100 problems, decoded greedily for exactly as
         many tokens as the true answer (space + digits), and only the digits compared, as an integer.
     ρ: at the answer positions (the ones that decide the output) and at every position (padding too).
-    digits: at the trained depth K, the share right at each answer position (space, digit 0 = the units,
-        ..., then digit d or §), and for digits 1..d-1 split by the carry coming into them: a model on
-        the loss plateau has the space and the last position right and every digit at chance (10%).
+    answer_positions: at the trained depth K, the share right at each answer position (space, digit 0 = the
+        units, ..., then digit d or §), and for digits 1..d-1 split by the carry coming into them: a model
+        on the loss plateau has the space and the last position right and every other digit at chance (10%).
     Intermediate evaluations (final=False) measure exact match and digits only: public and ρ, the costly
     ones (decoding 8 depths; 40 power iterations), are measured at the end of the run."""
     x, y, codes = addition_heldout(cfg.digits, cfg.eval_problems)
@@ -208,7 +101,7 @@ def addition_eval(model, cfg, n_loops, device, final=True):
         mask = yb != -1
         states = model.loop_states(xb, n_loops)
         for k, h in enumerate(states, 1):
-            pred = model.readout(h, k, max(k, model.config.n_loops)).argmax(-1)  # early exit, as evaluate_lm
+            pred = model.readout(h, k, curve_depth(model, k)).argmax(-1)
             correct[k - 1, i:i + 250] = ((pred == yb) | ~mask).all(-1).cpu()
             if k == K:
                 right_K[i:i + 250] = (pred == yb).cpu()
@@ -216,7 +109,7 @@ def addition_eval(model, cfg, n_loops, device, final=True):
                 res_sum[k - 1] += fixed_point_residual(states[k - 2][mask], h[mask]) * len(xb)
     acc = {str(k): correct[k - 1].float().mean().item() for k in range(1, n_loops + 1)}
     resid = {str(k): res_sum[k - 1].item() / len(x) if k > 1 else None for k in range(1, n_loops + 1)}
-    first = 2 * d + 2                                   # the target column of the space (the input's "=")
+    first = 2 * d + 1                                   # the target column of the space (the input's "=")
     a, b = codes // 10 ** d, codes % 10 ** d
     digits = {"space": right_K[:, first].float().mean().item()}
     for j in range(d + 1):                              # digit j of the reversed sum (digit d: its 5th, or §)
@@ -225,7 +118,7 @@ def addition_eval(model, cfg, n_loops, device, final=True):
             carry = (a % 10 ** j + b % 10 ** j) >= 10 ** j
             digits[f"digit{j}_carry"] = [right_K[~carry, first + 1 + j].float().mean().item(),
                                          right_K[carry, first + 1 + j].float().mean().item()]
-    out = {"accuracy": acc, "residual": resid, "digits": digits}
+    out = {"accuracy": acc, "residual": resid, "answer_positions": digits}
     if not final:
         return out
     depths = [k for k in DEPTHS if k <= n_loops]
@@ -239,6 +132,8 @@ def addition_eval(model, cfg, n_loops, device, final=True):
 
 
 @torch.no_grad()
+
+
 def public_addition_accuracy(model, x, y, n_loops, device):
     """Paper B's protocol at depth n_loops: greedy, the answer length given, digits compared as an int."""
     answer = y != -1
@@ -268,6 +163,8 @@ def loop_map_rho(model, h0, k, states, mask=None, iters=40):
 
 
 @torch.no_grad()
+
+
 def evaluate_lm(model, val, cfg, K_eval, device, ctx):
     """Per loop k = 1..K_eval: CE/PPL, ‖H_k‖ stats (L2, per token), radial gradient fraction,
     fixed-point residual, spectral radius of the loop map, clamp ΔCE, tokens/s at depth k (ρ and tokens/s
@@ -289,11 +186,11 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
             clamped = model.loop_states(x, K_clamp, clamp=True)
             for k in range(1, K_eval + 1):
                 lk = lambda s, K: F.cross_entropy(model.readout(s[k - 1], k, K).float().flatten(0, 1), y.flatten())
-                ce[k - 1] += lk(states, max(k, K_train)).item() / len(batches)
+                ce[k - 1] += lk(states, curve_depth(model, k)).item() / len(batches)
                 if final_norm and k < K_train:  # the only case where the run at depth k reads out differently
                     ce_run[k - 1] += lk(states, k).item() / len(batches)
                 if k <= K_clamp:
-                    ce_clamp[k - 1] += lk(clamped, max(k, K_train)).item() / len(batches)
+                    ce_clamp[k - 1] += lk(clamped, curve_depth(model, k)).item() / len(batches)
                 norms[k - 1].append(token_norms(states[k - 1]).cpu())
                 if k > 1:
                     res[k - 1] += fixed_point_residual(states[k - 2], states[k - 1]) / len(batches)
@@ -309,7 +206,7 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
         rows.append({"k": k, "ce": ce[k - 1], "ppl": math.exp(ce[k - 1]),
                      **({"ce_run_at_k": ce_run[k - 1] if k < K_train else ce[k - 1]} if final_norm else {}),
                      **{f"norm_{n}": s[n] for n in ("mean", "median", "p99", "max", "std", "min")},
-                     "radial_fraction": radial_fraction(model, states[k - 1], y, k, max(k, K_train)),
+                     "radial_fraction": radial_fraction(model, states[k - 1], y, k, curve_depth(model, k)),
                      "fixed_point_residual": res[k - 1] if k > 1 else None,
                      "spectral_radius": rho,
                      "clamp_delta_ce": ce_clamp[k - 1] - ce[k - 1] if k <= K_clamp else None,
@@ -383,129 +280,6 @@ def plot_report(out_dir, report, log_rows):
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, "training.png"), dpi=90)
         plt.close(fig)
-
-
-def writable_out_dir(out_dir, rank=0):
-    """Create out_dir and check that it takes a file now, not after hours of training. Returns whether
-    it made the folder (unlock_out_dir removes it again if the run leaves nothing in it)."""
-    made = not os.path.isdir(out_dir)
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f".write_test{rank}")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        raise RunError(f"out_dir {out_dir} is not writable ({e.strerror}); pick another --out_dir") from None
-    return made
-
-
-def lock_out_dir(out_dir):
-    """One process per out_dir: an exclusive flock on out_dir/.lock, held for the run's lifetime. The
-    kernel releases it when the process ends, however it ends (kill -9 too), so there is never a stale
-    lock to clean up. A second process gets one line naming the holder's pid. Returns the lock file."""
-    path = os.path.join(out_dir, ".lock")
-    while True:
-        f = open(path, "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "unknown"
-            f.close()
-            raise RunError(f"{out_dir} is in use by another run (pid {holder}); wait for it to end, or pick another "
-                           "--out_dir") from None
-        except OSError as e:
-            f.close()
-            raise RunError(f"cannot lock {path} ({e.strerror}); put --out_dir on a local file system") from None
-        with suppress(FileNotFoundError):  # the holder before us removes the file as it unlocks: lock the one there now
-            if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
-                break
-        f.close()
-    f.truncate(0)
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    return f
-
-
-def unlock_out_dir(lock, made=False):
-    """Release lock_out_dir's lock (its file goes first) and, if this run made out_dir (made) and left
-    nothing in it (a run that failed early), remove the folder."""
-    with suppress(FileNotFoundError):
-        os.remove(lock.name)
-    lock.close()
-    if made:
-        with suppress(OSError):  # (not empty: it stays)
-            os.rmdir(os.path.dirname(lock.name))
-
-
-def out_of_memory(e, batch_size, block_size, n_loops):
-    """e as one line if it is an out-of-memory error (CUDA's or the CPU allocator's), else e itself."""
-    if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e)):
-        return e
-    return RunError(f"out of memory at --batch_size {batch_size} --block_size {block_size} --n_loops {n_loops}: lower "
-                    "one of them (--gradient_accumulation_steps keeps the tokens per step; --checkpoint_loops keeps "
-                    "training memory flat in the depth)")
-
-
-def adopt_log(run, name="log.jsonl"):
-    """A new run in a folder that holds an older run's log writes log.jsonl.new; it replaces the old
-    log only once the new run has saved something, so a run that fails early loses nothing."""
-    if run.log_path.endswith(".new"):
-        path = os.path.join(os.path.dirname(run.log_path), name)
-        os.replace(run.log_path, path)
-        run.log_path = path
-
-
-def guard_out_dir(out_dir, task, model_args):
-    """A run from scratch never replaces a run in out_dir, finished or interrupted (ckpt.pt or
-    interrupted.pt), of any shape: refuse, naming what is there, unless the caller was told --overwrite."""
-    for name in ("ckpt.pt", "interrupted.pt"):
-        path = os.path.join(out_dir, name)
-        if not os.path.exists(path):
-            continue
-        try:
-            old = load_checkpoint(path)
-            saved = asdict(LoopLMConfig.from_dict(old["model_args"]))
-            diff = [f"{k} {saved[k]}" for k in ARCHITECTURE if saved[k] != model_args[k]]
-            if old["config"].get("task", "lm") != task:
-                diff.append(f"task {old['config'].get('task', 'lm')}")
-            shape = f" of another shape ({', '.join(diff)})" if diff else ""
-            best = old.get("best_val_loss", math.inf)
-            what = f"a run{shape} at step {old.get('iter_num', 0)} (best val loss " + \
-                   (f"{best:.4f})" if math.isfinite(best) else "not evaluated yet)")
-        except RunError:
-            what = "an unreadable checkpoint"
-        raise UsageError(f"{out_dir} holds {what} in {name}; continue it with --init_from resume, pick another "
-                         "--out_dir, or --overwrite to replace it")
-
-
-def append_log(path, row):
-    """One row of the training log (a line of JSON); a failed write is one line, not a traceback."""
-    try:
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-    except OSError as e:
-        raise RunError(f"cannot write the log {path} ({e.strerror})") from None
-
-
-def trim_log(path, iter_num):
-    """Keep the log's rows up to step iter_num: on resume, the checkpoint's step (later rows belong to a
-    run that no longer exists). A torn last line is dropped too."""
-    if os.path.exists(path):
-        rows = [r for r in read_log(os.path.dirname(path), os.path.basename(path)) if r.get("iter", 0) <= iter_num]
-        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
-
-
-def read_log(d, name="log.jsonl"):
-    """log.jsonl's rows; a torn last line (a run killed mid-write) is skipped."""
-    p = os.path.join(d, name)
-    rows = []
-    for line in open(p) if os.path.exists(p) else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return rows
 
 
 def read_report(d):

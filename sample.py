@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+import checkpoint
 import data
-import report
 from configurator import RunError, UsageError, check, check_device, command, parse, setting
 
 EXITS = ("max_prob", "margin", "entropy")
@@ -368,8 +368,8 @@ def run(args):
     path = args.out_dir if args.out_dir.endswith(".pt") else os.path.join(args.out_dir, "ckpt.pt")
     if not os.path.isfile(path):
         raise RunError(f"no checkpoint at {path}; train one (python train.py --out_dir DIR) or fix --out_dir")
-    ckpt = report.load_checkpoint(path, device)
-    model = report.model_from_checkpoint(ckpt, device)
+    ckpt = checkpoint.load_checkpoint(path, device)
+    model = checkpoint.model_from_checkpoint(ckpt, device)
     tok, cfg = data.get_tokenizer(ckpt["tokenizer"]), ckpt["config"]
     addition, bs = cfg.get("task") == "addition", model.config.block_size
     args.n_loops = args.n_loops or model.config.n_loops

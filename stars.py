@@ -23,11 +23,14 @@ grad. Nothing else in the project is needed:
     pen, jv_norm = jsrr_penalty(step, h_last)
     loss = stars_objective(task_loss, pen, lambda_at(it, 0.1, 2000))
 
+(stars.training_loss does this for LoopLM, its options in a stars.Penalty.)
+
 Attention caveat: the fused SDPA kernels have no forward-mode AD and no double backward.
 The step must use explicit softmax(QKᵀ/√d)V attention or the math backend. For LoopLM,
 looplm_step_fn takes care of this.
 """
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -172,33 +175,45 @@ def looplm_step_fn(model, h0):
     return step
 
 
-def training_loss(model, x, y, n_loops, grad_loops=None, lam=0.0, mode="vjp", rows=0, generator=None,
-                  checkpoint=False, iters=1, supervised=False, deep=0):
+@dataclass
+class Penalty:
+    """The STARS penalty of one training step: its weight λ and how it is taken (train.py's --stars_* options).
+    Beyond the public code, each off by default:
+    rows > 0: on the first `rows` sequences only (the batch is random, so they are a random subset: an
+        unbiased estimate of the same mean).
+    iters: power iterations inside the penalty (jsrr_penalty; the public code's spectral_iters, 1).
+    supervised: at the supervised positions only (targets != -1).
+    deep > n_loops: at the state of loop `deep`, reached from the last state without gradient: the map is made
+        contracting where a deeper run at test time will be.
+    generator: where the random direction v comes from (train.py: the step's, so a resumed run replays it)."""
+    lam: float
+    mode: str = "vjp"
+    rows: int = 0
+    iters: int = 1
+    supervised: bool = False
+    deep: int = 0
+    generator: torch.Generator = None
+
+
+def training_loss(model, x, y, n_loops, grad_loops=None, penalty=None, checkpoint=False):
     """The loss of one training step at depth n_loops, as train.py and bench.py take it: Paper A's
-    objective over the loop states (LoopLM.objective), and with lam > 0 Paper B's
-    (1 − λ)·task + λ·‖Jv‖² at the last state. Options beyond the public code (off by default):
-    rows > 0: the penalty on the first `rows` sequences only (the batch is random, so they are a
-        random subset: an unbiased estimate of the same mean).
-    iters: power iterations inside the penalty (jsrr_penalty).
-    supervised: the penalty at the supervised positions only (targets != -1).
-    deep > n_loops: the penalty at the state of loop `deep`, reached from the last state without
-        gradient: the map is made contracting where a deeper run at test time will be.
-    Returns (loss, the loop states, ‖Jv‖ per penalized sequence or None)."""
+    objective over the loop states (LoopLM.objective), and with a penalty (a Penalty, λ > 0) Paper B's
+    (1 − λ)·task + λ·‖Jv‖² at the last state. Returns (loss, the loop states, ‖Jv‖ per penalized
+    sequence or None)."""
     states = model.loop_states(x, n_loops, grad_loops=grad_loops, checkpoint=checkpoint)
     _, loss = model.objective(states, y, checkpoint)
-    jv_norm = None
-    if lam > 0:
-        n = rows or x.size(0)
-        # (h0 is used only with inject; embedding it anyway keeps the dropout stream of the README's runs)
-        step = looplm_step_fn(model, model.embed(x[:n]))
-        h = states[-1][:n].detach()
-        with torch.no_grad():
-            for _ in range(n_loops, deep):
-                h = step(h)
-        mask = (y[:n] != -1) if supervised else None
-        pen, jv_norm = jsrr_penalty(step, h, mode=mode, generator=generator, iters=iters, mask=mask)
-        loss = stars_objective(loss, pen, lam)
-    return loss, states, jv_norm
+    if penalty is None or penalty.lam <= 0:
+        return loss, states, None
+    n = penalty.rows or x.size(0)
+    # (h0 is used only with inject; embedding it anyway keeps the dropout stream of the README's runs)
+    step = looplm_step_fn(model, model.embed(x[:n]))
+    h = states[-1][:n].detach()
+    with torch.no_grad():
+        for _ in range(n_loops, penalty.deep):
+            h = step(h)
+    mask = (y[:n] != -1) if penalty.supervised else None
+    pen, jv_norm = jsrr_penalty(step, h, mode=penalty.mode, generator=penalty.generator, iters=penalty.iters, mask=mask)
+    return stars_objective(loss, pen, penalty.lam), states, jv_norm
 
 
 def lambda_at(step, lam, warmup):

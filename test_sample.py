@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import report
+import checkpoint
 import sample
 import train
 from conftest import tiny
@@ -194,8 +194,8 @@ def test_sample_answers_addition_after_training(tmp_path, one_thread, capsys):
         right += line.startswith(f"{a}+{b}={a + b} ")
     assert right >= 8, right
     # batch-1 cached greedy decoding agrees exactly with the teacher-forced parallel verdict
-    ckpt = report.load_checkpoint(d)
-    model = report.model_from_checkpoint(ckpt)
+    ckpt = checkpoint.load_checkpoint(d)
+    model = checkpoint.model_from_checkpoint(ckpt)
     x, y = sample.eval_data(ckpt, model, 80)
     fixed = sample.adaptive_eval(sample.loop_table(model, x, y, 2, "max_prob"), "max_prob", 2.0)[0]
     assert abs(sample.decode_forced(model, x, y, 2)["exact"] - fixed["exact"]) < 1e-6 and fixed["exact"] >= 0.8
@@ -224,7 +224,7 @@ def test_sample_uses_the_checkpoints_regex_vocabulary_and_names_unknown_prompt_w
                        "cache_dir": str(tmp_path / "cache")}}
     torch.save(ckpt, tmp_path / "ckpt.pt")
     path.write_text("\n".join(lines[::-1] + ["brand new words ."] * 20))
-    x, y = sample.eval_data(report.load_checkpoint(tmp_path), m, 4, str(tmp_path))
+    x, y = sample.eval_data(checkpoint.load_checkpoint(tmp_path), m, 4, str(tmp_path))
     text = path.read_text()
     val = data.get_tokenizer(meta).encode(text[int(0.9 * len(text)):])
     assert x[0].tolist() == val[:32] and y[0].tolist() == val[1:33]

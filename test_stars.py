@@ -214,11 +214,11 @@ def test_stars_training_loss_options_put_the_penalty_where_asked(monkeypatch):
     tgt[:, :5] = -1
     seen, real = {}, stars.jsrr_penalty
     monkeypatch.setattr(stars, "jsrr_penalty", lambda f, h, **kw: seen.update(h=h, **kw) or real(f, h, **kw))
-    loss, states, jv = stars.training_loss(m, idx, tgt, 3, lam=0.1, deep=7, supervised=True, iters=2,
-                                           generator=torch.Generator().manual_seed(0))
+    pen = stars.Penalty(0.1, deep=7, supervised=True, iters=2, generator=torch.Generator().manual_seed(0))
+    loss, states, jv = stars.training_loss(m, idx, tgt, 3, penalty=pen)
     assert torch.allclose(seen["h"], m.loop_states(idx, 7)[-1], atol=1e-5) and not seen["h"].requires_grad
     assert torch.equal(seen["mask"], tgt != -1) and seen["iters"] == 2 and len(states) == 3
     loss.backward()
     assert all(p.grad is not None for p in m.blocks.parameters())
-    stars.training_loss(m, idx, tgt, 3, lam=0.1, generator=torch.Generator().manual_seed(0))
+    stars.training_loss(m, idx, tgt, 3, penalty=stars.Penalty(0.1, generator=torch.Generator().manual_seed(0)))
     assert torch.equal(seen["h"], states[-1].detach()) and seen["mask"] is None and seen["iters"] == 1

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+import checkpoint
 import data
 import report
 import stars
@@ -101,7 +102,7 @@ def test_train_fresh_run_keeps_the_older_run_until_it_saves_and_refuses_another_
     monkeypatch.setattr(LoopLM, "objective", real)
     # with --overwrite the other shape replaces it; its log starts afresh once it saves
     assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--n_embd", 64, "--overwrite"]) == 0
-    assert report.load_checkpoint(out)["model_args"]["n_embd"] == 64
+    assert checkpoint.load_checkpoint(out)["model_args"]["n_embd"] == 64
     assert [r["iter"] for r in train_losses(out)] == [1, 2, 3, 4, 5, 6]
 
 
@@ -132,7 +133,7 @@ def test_train_ctrl_c_while_evaluating_stops_at_once_and_names_the_saved_checkpo
     assert run_train(argv) == 128 + sig
     msg = one_error_line(capsys)
     assert msg == f"train.py: interrupted; {os.path.join(out, 'ckpt.pt')} holds step 9", msg
-    assert report.load_checkpoint(out)["iter_num"] == 9
+    assert checkpoint.load_checkpoint(out)["iter_num"] == 9
 
 
 def test_train_piped_into_a_closed_pipe_trains_to_the_end(train_data_args, tmp_path, monkeypatch):
@@ -141,7 +142,7 @@ def test_train_piped_into_a_closed_pipe_trains_to_the_end(train_data_args, tmp_p
             raise BrokenPipeError(32, "Broken pipe")
     monkeypatch.setattr(sys, "stdout", Closed())
     assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", tmp_path / "run"]) == 0
-    assert report.load_checkpoint(tmp_path / "run")["iter_num"] == 6
+    assert checkpoint.load_checkpoint(tmp_path / "run")["iter_num"] == 6
 
 
 def test_train_resume_keeps_the_recipe_of_an_older_checkpoint():
@@ -189,7 +190,7 @@ def test_train_resume_replays_the_uninterrupted_run_exactly(case, train_data_arg
         assert run_train(TRAIN_TINY + train_data_args + extra + ["--out_dir", full]) == 0
     half = str(tmp_path / "half")
     assert run_train(TRAIN_TINY + train_data_args + extra + ["--out_dir", half, "--max_iters", 3]) == 0
-    assert report.load_checkpoint(half)["iter_num"] == 3
+    assert checkpoint.load_checkpoint(half)["iter_num"] == 3
     with open(os.path.join(half, "log.jsonl"), "a") as f:  # rows of a run killed after the checkpoint, and a torn line
         f.write(json.dumps({"iter": 4, "loss": 9.9}) + "\n" + '{"iter": 5, "lo')
     assert run_train(TRAIN_TINY + train_data_args + extra + ["--out_dir", half, "--init_from", "resume", "--max_iters", 6]) == 0
@@ -201,14 +202,14 @@ def test_train_resume_replays_the_uninterrupted_run_exactly(case, train_data_arg
     if case == "lognormal_stars":
         assert len({r["loops"] for r in a}) > 1  # depth really was sampled
         assert all("jv_norm" in r for r in a[2:]) and all(abs(ra["jv_norm"] - rb["jv_norm"]) <= 1e-6 for ra, rb in zip(a[2:], b[2:]))
-    wa, wb = report.load_checkpoint(full)["model"], report.load_checkpoint(half)["model"]
+    wa, wb = checkpoint.load_checkpoint(full)["model"], checkpoint.load_checkpoint(half)["model"]
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
 
 def test_train_resume_with_a_shorter_context_keeps_the_first_positions(trained_run, train_data_args, tmp_path):
     out = copy_run(trained_run, tmp_path / "run")
     assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--init_from", "resume", "--block_size", 16,
                                                       "--max_iters", 7, "--learning_rate", 0]) == 0
-    old, new = report.load_checkpoint(trained_run), report.load_checkpoint(out)
+    old, new = checkpoint.load_checkpoint(trained_run), checkpoint.load_checkpoint(out)
     assert new["iter_num"] == 7 and new["model_args"]["block_size"] == 16
     assert torch.equal(new["model"]["wpe.weight"], old["model"]["wpe.weight"][:16])  # lr 0: cropped, not changed
     shapes = [tuple(s["exp_avg"].shape) for s in new["optimizer"]["state"].values()]
@@ -250,7 +251,7 @@ def test_train_checkpoint_is_atomic_and_weights_only(trained_run, train_data_arg
 def test_train_non_finite_loss_stops_and_keeps_last_good_checkpoint(train_data_args, tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "run")
     saved = []
-    real_save, real_objective = report.save_checkpoint, LoopLM.objective
+    real_save, real_objective = checkpoint.save_checkpoint, LoopLM.objective
 
     def recording_save(path, obj):
         real_save(path, obj)
@@ -262,13 +263,13 @@ def test_train_non_finite_loss_stops_and_keeps_last_good_checkpoint(train_data_a
         logits, loss = real_objective(self, states, targets, checkpoint)
         calls.append(1)
         return logits, loss * float("nan") if len(calls) == 4 else loss  # step 4 blows up
-    monkeypatch.setattr(report, "save_checkpoint", recording_save)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", recording_save)
     monkeypatch.setattr(LoopLM, "objective", objective)
     assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--eval_interval", 2]) == 1
     msg = one_error_line(capsys)
     ckpt = os.path.join(out, "ckpt.pt")
     assert "non-finite loss" in msg and "at step 4" in msg and f"Last good checkpoint: {ckpt}" in msg
-    assert len(saved) == 1 and open(ckpt, "rb").read() == saved[0] and report.load_checkpoint(ckpt)["iter_num"] == 2
+    assert len(saved) == 1 and open(ckpt, "rb").read() == saved[0] and checkpoint.load_checkpoint(ckpt)["iter_num"] == 2
     assert [r["iter"] for r in train_losses(out)] == [1, 2, 3]
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -287,7 +288,7 @@ def test_train_signal_saves_a_checkpoint_and_exits_128_plus_signal(sig, train_da
         p.kill()
     assert p.returncode == 128 + sig, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    step = report.load_checkpoint(out)["iter_num"]
+    step = checkpoint.load_checkpoint(out)["iter_num"]
     assert step >= 1 and f"interrupted: saved step {step} to {os.path.join(out, 'ckpt.pt')}" in err
 
 def _free_port():
@@ -307,12 +308,12 @@ import train
 
 models = []
 
-class Recorded(train.report.LoopLM):  # keep a handle on the model each rank trains
+class Recorded(train.checkpoint.LoopLM):  # keep a handle on the model each rank trains
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         models.append(self)
 
-train.report.LoopLM = Recorded  # report.build_model makes the model
+train.checkpoint.LoopLM = Recorded  # checkpoint.build_model makes the model
 depths, sample_loops = [], train.stars.sample_loops
 train.stars.sample_loops = lambda *a: depths.append(sample_loops(*a)) or depths[-1]  # each rank's depths
 
@@ -341,14 +342,14 @@ def test_train_two_process_gloo_ddp_keeps_ranks_identical(train_data_args, tmp_p
     (w0, d0), (w1, d1) = [torch.load(tmp_path / f"rank{r}.pt").values() for r in (0, 1)]
     assert all(torch.equal(w0[k], w1[k]) for k in w0)  # gradients were averaged: the replicas never drifted
     assert d0 == d1 and len(d0) == 6 and len(set(d0)) > 1  # every step, both ranks ran the same (sampled) depth
-    ckpt = report.load_checkpoint(out)
+    ckpt = checkpoint.load_checkpoint(out)
     assert all(torch.equal(w0[k], ckpt["model"][k]) for k in w0) and ckpt["iter_num"] == 6
     losses = [row["loss"] for row in train_losses(out)]
     assert len(losses) == 6 and sum(losses[-2:]) / 2 < losses[0] - 0.3, losses  # training made progress
     # the average over 2 ranks is one process's gradient over both batches (2 accumulation steps)
     single = str(tmp_path / "single")
     assert run_train(args + ["--gradient_accumulation_steps", "2", "--out_dir", single]) == 0
-    ws = report.load_checkpoint(single)["model"]
+    ws = checkpoint.load_checkpoint(single)["model"]
     assert all(torch.allclose(ws[k], w0[k], atol=1e-5) for k in w0)
     assert [r["loops"] for r in train_losses(single)] == [t for t, _ in d0]
     assert torch.allclose(torch.tensor(losses), torch.tensor([r["loss"] for r in train_losses(single)]), atol=1e-5)
@@ -498,7 +499,7 @@ def test_train_one_process_per_out_dir_and_compare_and_sample_take_no_lock(train
     import sample
     out = copy_run(trained_run, tmp_path / "run")
     before = {f: file_bytes(os.path.join(out, f)) for f in os.listdir(out)}
-    code = (f"import sys, time; sys.path.insert(0, {HERE!r}); import report; lock = report.lock_out_dir({out!r}); "
+    code = (f"import sys, time; sys.path.insert(0, {HERE!r}); import checkpoint; lock = checkpoint.lock_out_dir({out!r}); "
             "print('locked', flush=True); time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=TRAIN_ENV)
     try:
@@ -514,7 +515,7 @@ def test_train_one_process_per_out_dir_and_compare_and_sample_take_no_lock(train
     assert {f: file_bytes(os.path.join(out, f)) for f in os.listdir(out) if f != ".lock"} == before
     # the kernel released the killed holder's lock: there is no stale lock to clean up
     assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out, "--init_from", "resume", "--max_iters", 7]) == 0
-    assert report.load_checkpoint(out)["iter_num"] == 7 and ".lock" not in os.listdir(out)
+    assert checkpoint.load_checkpoint(out)["iter_num"] == 7 and ".lock" not in os.listdir(out)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -562,9 +563,9 @@ def test_train_resume_and_eval_only_tokenize_with_the_checkpoints_vocabulary(tra
     args = TRAIN_TINY + ["--tokenizer", "regex", "--dataset", "text", "--data_files", text, "--cache_dir", tmp_path / "c"]
     out = tmp_path / "run"
     assert run_train(args + ["--out_dir", out]) == 0
-    vocab = report.load_checkpoint(out)["tokenizer"]["vocab"]
+    vocab = checkpoint.load_checkpoint(out)["tokenizer"]["vocab"]
     text.write_text("\n".join(text.read_text().splitlines()[::-1]) + "\nbrand new words\n" * 50)
     assert data.fit_regex_tokenizer(text.read_text())["vocab"] != vocab
     assert run_train(args + ["--out_dir", out, "--init_from", "resume", "--eval_only"]) == 0
     assert run_train(args + ["--out_dir", out, "--init_from", "resume", "--max_iters", 8]) == 0
-    assert report.load_checkpoint(out)["tokenizer"]["vocab"] == vocab
+    assert checkpoint.load_checkpoint(out)["tokenizer"]["vocab"] == vocab

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+import checkpoint
 import data
 import report
 import stars
@@ -203,6 +204,19 @@ def get_batch(cfg, run, g, micro):
 
 
 # ---------------------------------------------------------------- the training loop
+def step_streams(cfg, it, rank, device):
+    """The random streams of training step `it`, each a pure function of (seed, step, rank), so that a resumed run
+    replays the uninterrupted one exactly. Dropout: torch's global generator, seeded here. The depth: a generator
+    of (seed, step) alone, so every rank runs the same depth. The batches: that same generator, drawing on, on rank
+    0; one of (seed + 7919·rank, step) on the others. The STARS penalty's random direction: the batches' generator
+    on CPU; a device generator of (seed, step, rank) on a GPU. Returns (depth, batch, penalty) generators."""
+    torch.manual_seed(cfg.seed * 1_000_003 + it * 1009 + rank)
+    depth = stars.step_generator(cfg.seed, it)
+    batch = stars.step_generator(cfg.seed + 7919 * rank, it) if rank else depth
+    penalty = batch if device == "cpu" else torch.Generator(device).manual_seed(cfg.seed * 1_000_003 + it + 7919 * rank)
+    return depth, batch, penalty
+
+
 def train(cfg, run, model, optimizer):
     """Train from run.iter_num to run.max_iters. Returns the exit code."""
     # Ctrl-C / SIGTERM while training: finish the step, save, exit 130 / 143 (torchrun signals every rank).
@@ -216,31 +230,24 @@ def train(cfg, run, model, optimizer):
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     model.train()
     t0, t_start, it0 = time.perf_counter(), time.perf_counter(), run.iter_num
-    first_bad = torch.zeros((), dtype=torch.long, device=run.device)  # the first step with a non-finite loss
+    guard = NonFiniteGuard(run.device)
     try:
         while run.iter_num < run.max_iters:
             it = run.iter_num
             lr = lr_at(cfg, it, run.max_iters)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # every random draw of this step comes from (seed, step, rank): a resumed run replays it exactly.
-            # The depth comes from (seed, step) alone: every rank runs the same depth.
-            torch.manual_seed(cfg.seed * 1_000_003 + it * 1009 + run.rank)  # dropout
-            g = stars.step_generator(cfg.seed, it)
-            n_loops, grad_loops = stars.training_depth(cfg, it, model.config.n_loops, g)
-            if run.rank:  # each rank its own batches
-                g = stars.step_generator(cfg.seed + 7919 * run.rank, it)
+            g_depth, g_batch, g_penalty = step_streams(cfg, it, run.rank, run.device)
+            n_loops, grad_loops = stars.training_depth(cfg, it, model.config.n_loops, g_depth)
             lam = stars.lambda_at(it, cfg.stars_lambda, cfg.stars_warmup)
-            # the penalty's random direction: drawn on the device (from the step's CPU generator on CPU)
-            pg = g if run.device == "cpu" else torch.Generator(run.device).manual_seed(cfg.seed * 1_000_003 + it + 7919 * run.rank)
+            penalty = stars.Penalty(lam, cfg.stars_mode, cfg.stars_rows, cfg.stars_iters, cfg.stars_supervised,
+                                    cfg.stars_deep, g_penalty) if lam > 0 else None
             logged = torch.zeros(3, device=run.device)  # loss, mean ‖H_K‖, signalled: read at log steps only
             jv_norm = None
             for micro in range(cfg.gradient_accumulation_steps):
-                x, y = get_batch(cfg, run, g, micro)
+                x, y = get_batch(cfg, run, g_batch, micro)
                 with run.ctx:
-                    loss, states, jv = stars.training_loss(model, x, y, n_loops, grad_loops, lam, cfg.stars_mode,
-                                                           cfg.stars_rows, pg, cfg.checkpoint_loops, cfg.stars_iters,
-                                                           cfg.stars_supervised, cfg.stars_deep)
+                    loss, states, jv = stars.training_loss(model, x, y, n_loops, grad_loops, penalty, cfg.checkpoint_loops)
                 (loss / cfg.gradient_accumulation_steps).backward()
                 logged[:2] += torch.stack([loss.detach().float(), token_norms(states[-1].detach()).mean()]) \
                     / cfg.gradient_accumulation_steps
@@ -248,12 +255,8 @@ def train(cfg, run, model, optimizer):
             logged[2] = float("sig" in stop)
             if run.world > 1:  # average the gradients and the logged numbers over ranks
                 all_reduce_mean(list(model.parameters()), logged)
-            # clip (grad_clip 0: just measure) the gradient norm. A non-finite gradient must not reach the weights: fused
-            # AdamW skips its update on the device when found_inf is 1 (as under GradScaler); reported at the next read
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-            bad = ~(torch.isfinite(grad_norm) & torch.isfinite(logged[0]))
-            optimizer.found_inf = bad.float()
-            first_bad = torch.where(bad & (first_bad == 0), it + 1, first_bad)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))  # 0: measure
+            guard.check(optimizer, logged[0], grad_norm, it)
             logged = torch.cat([logged, grad_norm.reshape(1).float()])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -261,15 +264,15 @@ def train(cfg, run, model, optimizer):
             log_now = run.iter_num % cfg.log_interval == 0 or run.iter_num == run.max_iters
             eval_now = run.iter_num % cfg.eval_interval == 0 or run.iter_num == run.max_iters
             if log_now or eval_now:  # the only host syncs of the loop: here, at the log and eval intervals
-                loss_f, norm_K, signalled, grad_f, bad_step = torch.cat([logged, first_bad.reshape(1).float()]).tolist()
+                loss_f, norm_K, signalled, grad_f, bad_step = torch.cat([logged, guard.first.reshape(1).float()]).tolist()
                 if bad_step:
-                    raise non_finite(bad_step, f"; at step {run.iter_num}: loss {loss_f:.4g}, gradient norm {grad_f:.4g}")
+                    raise guard.error(bad_step, f"; at step {run.iter_num}: loss {loss_f:.4g}, gradient norm {grad_f:.4g}")
             if run.master and log_now:
                 dt = time.perf_counter() - t0
                 tps = run.tokens_per_iter * cfg.log_interval / dt if run.iter_num % cfg.log_interval == 0 else 0
                 eta = (time.perf_counter() - t_start) / (run.iter_num - it0) * (run.max_iters - run.iter_num)
                 jv_f = None if jv_norm is None else jv_norm.item()
-                report.append_log(run.log_path, {"iter": run.iter_num, "loss": loss_f, "lr": lr, "loops": n_loops,
+                checkpoint.append_log(run.log_path, {"iter": run.iter_num, "loss": loss_f, "lr": lr, "loops": n_loops,
                                                  "norm_K": norm_K, "tokens_per_s": tps,
                                                  **({"jv_norm": jv_f} if jv_f is not None else {})})
                 print(f"step {run.iter_num}/{run.max_iters} loss {loss_f:.4f} | {tps:,.0f} tok/s | ETA {eta / 60:.1f} min"
@@ -290,8 +293,8 @@ def train(cfg, run, model, optimizer):
                         rank0_ok(run, ok)
                 t0 = time.perf_counter()  # evaluation time is not training throughput
             if stopping:
-                if first_bad.item():  # (skipped updates: the weights are clean, but say so rather than save)
-                    raise non_finite(first_bad.item())
+                if guard.first.item():  # (skipped updates: the weights are clean, but say so rather than save)
+                    raise guard.error(guard.first.item())
                 if run.master:
                     save_interrupted(cfg, run, model, optimizer)
                 return 128 + stop.get("sig", signal.SIGTERM)  # (a rank stopped by another rank's signal: 143)
@@ -301,10 +304,25 @@ def train(cfg, run, model, optimizer):
     return 0
 
 
-def non_finite(step, detail=""):
-    return RunError(f"non-finite loss or gradient at step {step:.0f} (the update was skipped{detail}); stopping. Last "
-                    f"good checkpoint: {SAVED.get('path', 'none saved yet')} (left untouched). Lower --learning_rate "
-                    "or check the data")
+class NonFiniteGuard:
+    """A step whose loss or gradient norm is inf or NaN must not reach the weights, and the loop must not wait
+    on the device every step to find out. check() tells fused AdamW to skip the step's update on the device
+    (optimizer.found_inf, as under GradScaler) and keeps the first such step on the device (first: 0 if none);
+    the loop reads it with its logged numbers at the next log or eval step and stops there with error()."""
+
+    def __init__(self, device):
+        self.first = torch.zeros((), dtype=torch.long, device=device)
+
+    def check(self, optimizer, loss, grad_norm, it):
+        bad = ~(torch.isfinite(grad_norm) & torch.isfinite(loss))
+        optimizer.found_inf = bad.float()
+        self.first = torch.where(bad & (self.first == 0), it + 1, self.first)
+
+    @staticmethod
+    def error(step, detail=""):
+        return RunError(f"non-finite loss or gradient at step {step:.0f} (the update was skipped{detail}); stopping. "
+                        f"Last good checkpoint: {SAVED.get('path', 'none saved yet')} (left untouched). Lower "
+                        "--learning_rate or check the data")
 
 
 def all_reduce_mean(params, logged):
@@ -345,13 +363,13 @@ def evaluate_and_save(cfg, run, model, optimizer, stop):
     val_loss, rep = report.evaluate(model, cfg, run.val_data, run.device, run.ctx, final)
     stop["evaluating"] = False
     rep["iter"] = run.iter_num
-    report.append_log(run.log_path, {"iter": run.iter_num, "val_loss": val_loss})
+    checkpoint.append_log(run.log_path, {"iter": run.iter_num, "val_loss": val_loss})
     improved = val_loss <= run.best_val
     run.best_val = min(run.best_val, val_loss)
     if cfg.always_save_checkpoint or improved:
-        report.save_checkpoint(run.ckpt_path, make_ckpt(cfg, run, model, optimizer))
+        checkpoint.save_checkpoint(run.ckpt_path, make_ckpt(cfg, run, model, optimizer))
         SAVED["path"], SAVED["step"] = run.ckpt_path, run.iter_num
-        report.adopt_log(run)
+        checkpoint.adopt_log(run)
     if final:
         report.write_report(cfg.out_dir, rep)
 
@@ -360,9 +378,9 @@ def save_interrupted(cfg, run, model, optimizer):
     """Ctrl-C: the state goes to ckpt.pt when every evaluation saves anyway; otherwise ckpt.pt holds
     the best model, which an interrupted state must not replace, so it goes beside it."""
     path = run.ckpt_path if cfg.always_save_checkpoint else os.path.join(cfg.out_dir, "interrupted.pt")
-    report.save_checkpoint(path, make_ckpt(cfg, run, model, optimizer))
+    checkpoint.save_checkpoint(path, make_ckpt(cfg, run, model, optimizer))
     SAVED["path"], SAVED["step"] = path, run.iter_num
-    report.adopt_log(run, "log.jsonl" if path == run.ckpt_path else "interrupted.log.jsonl")
+    checkpoint.adopt_log(run, "log.jsonl" if path == run.ckpt_path else "interrupted.log.jsonl")
     hint = ("continue with --init_from resume" if path == run.ckpt_path else
             f"{run.ckpt_path} keeps the best model; to continue from this state, move it over ckpt.pt (and "
             "interrupted.log.jsonl, if there, over log.jsonl) and --init_from resume")
@@ -370,7 +388,7 @@ def save_interrupted(cfg, run, model, optimizer):
 
 
 SAVED = {}  # the last checkpoint this process wrote or resumed from: what a Ctrl-C message points at
-LOCK = {}  # the out_dir's lock while a command runs (report.lock_out_dir) and whether the run made the folder
+LOCK = {}  # the out_dir's lock while a command runs (checkpoint.lock_out_dir) and whether the run made the folder
 
 
 def start(cfg, model_args, given):
@@ -379,23 +397,23 @@ def start(cfg, model_args, given):
         print("wrote " + ", ".join(report.compare_runs([d for d in cfg.compare.split(",") if d], cfg.out_dir)))
         return 0
     device, dtype, ctx, rank, world = setup_device(cfg)
-    made = report.writable_out_dir(cfg.out_dir, rank)
+    made = checkpoint.writable_out_dir(cfg.out_dir, rank)
     if rank == 0:  # one process per out_dir, till main() ends (--compare and sample.py only read: no lock)
-        LOCK["out_dir"] = report.lock_out_dir(cfg.out_dir), made
+        LOCK["out_dir"] = checkpoint.lock_out_dir(cfg.out_dir), made
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-    ckpt = report.load_checkpoint(ckpt_path) if cfg.init_from == "resume" else None
+    ckpt = checkpoint.load_checkpoint(ckpt_path) if cfg.init_from == "resume" else None
     if ckpt is not None:
         if not cfg.eval_only and "optimizer" not in ckpt:
             raise RunError(f"{ckpt_path} has no optimizer state: it can be evaluated (--eval_only) or sampled, not "
                            "resumed; train from scratch in another --out_dir")
         cfg, model_args = resume_settings(cfg, model_args, given, ckpt)
     if cfg.init_from == "scratch" and not cfg.overwrite:
-        report.guard_out_dir(cfg.out_dir, cfg.task, model_args)
+        checkpoint.guard_out_dir(cfg.out_dir, cfg.task, model_args)
     train_data, val_data, meta = data.load_task_data(cfg, model_args, ckpt)
     vocab = data.get_tokenizer(meta).vocab_size  # GPT-2's padded; Paper A's regex vocabulary stays exact
     vocab = model_args["vocab_size"] if ckpt else data.padded_vocab(vocab) if meta["kind"] == "gpt2" else vocab
     mcfg = LoopLMConfig(**{**model_args, "vocab_size": vocab})
-    model, optimizer = report.build_model(cfg, mcfg, device, ckpt)
+    model, optimizer = checkpoint.build_model(cfg, mcfg, device, ckpt)
     tokens_per_iter = cfg.batch_size * mcfg.block_size * cfg.gradient_accumulation_steps * world
     max_iters = cfg.max_iters
     if cfg.epochs > 0 and train_data is not None:  # an epoch: every window once, or as many tokens as the split
@@ -425,12 +443,12 @@ def start(cfg, model_args, given):
             raise UsageError(f"nothing to train: the run is at step {run.iter_num} and --max_iters is {max_iters}; "
                              "raise --max_iters" + (" (or --epochs)" if cfg.epochs else ""))
         if run.master:  # resume: the log up to the checkpoint; from scratch: a new log
-            report.trim_log(run.log_path, run.iter_num)
+            checkpoint.trim_log(run.log_path, run.iter_num)
         if cfg.compile:  # stars.looplm_step_fn keeps the STARS penalty and the evaluation's ρ on the eager step
             model.step = torch.compile(model.step)
         code = train(cfg, run, model, optimizer)
     except RuntimeError as e:  # out of memory (CUDA's OutOfMemoryError is one): one line saying what to lower
-        raise report.out_of_memory(e, cfg.batch_size, mcfg.block_size, mcfg.n_loops) from None
+        raise checkpoint.out_of_memory(e, cfg.batch_size, mcfg.block_size, mcfg.n_loops) from None
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()
@@ -457,7 +475,7 @@ def main(argv=None):
                                                   "nothing was saved"))
     finally:
         if LOCK:
-            report.unlock_out_dir(*LOCK.pop("out_dir"))
+            checkpoint.unlock_out_dir(*LOCK.pop("out_dir"))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ QUICK = "--max_iters 4 --eval_interval 4 --eval_iters 1 --batch_size 4 --dataset
 
 def page(runs, args):
     import matplotlib.pyplot as plt
-    from report import drift_exponent, read_log
+    from checkpoint import read_log
+    from report import drift_exponent
     mr = study.mean_range
     col = lambda seeds, f, fmt: mr([f(rep, meta) for meta, rep in seeds.values()], fmt)
     last = lambda rep: rep["per_loop"][-1]

@@ -29,7 +29,7 @@ def plateau_exit(log):
 
 def page(runs, args):
     import matplotlib.pyplot as plt
-    from report import read_log
+    from checkpoint import read_log
     mr = study.mean_range
     depths = [k for k in DEPTHS if all(str(k) in rep["addition"]["accuracy"] for r in runs.values() for _, rep in r.values())]
     acc = lambda rep, k, proto="accuracy": rep["addition"].get(proto, {}).get(str(k))
@@ -64,8 +64,9 @@ def page(runs, args):
     lines.append("|---|---|" + "---|" * (len([k for k in (K, 64, 100) if k in depths]) + 3))
     for name, seeds in runs.items():
         for seed, (meta, rep) in sorted(seeds.items()):
-            dig = rep["addition"].get("digits", {})
-            dcells = " / ".join(f"{100 * v:.0f}" for key, v in dig.items() if key.startswith("digit") and "_" not in key)
+            dig = rep["addition"].get("answer_positions")
+            dcells = " / ".join(f"{100 * v:.0f}" for key, v in dig.items() if key.startswith("digit") and "_" not in key) \
+                if dig else "n/a"
             out = plateau_exit(read_log(meta["out_dir"])) if "out_dir" in meta else None
             lines.append(f"| {name} | {seed} | " + " | ".join(f"{100 * acc(rep, k):.1f}" for k in (K, 64, 100) if k in depths)
                          + f" | {out if out is not None else 'never'} | {dcells} | {meta.get('wall_s', 0) / 60:.1f} |")
