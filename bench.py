@@ -326,7 +326,8 @@ PRESETS = {  # --presets: each CPU preset's short run, ~100 steps and its final 
 }
 PHASES = {  # where a run's time goes: cumulative seconds in these functions (cProfile)
     "data": "data.load_task_data", "train steps": "train.train", "evaluation": "report.evaluate",
-    "report and plots": "report.write_report", "checkpoints": "checkpoint.save_checkpoint", "sample": "sample.generate"}
+    "report and plots": "report.write_report", "sample": "sample.generate",
+    "checkpoints": ("checkpoint.save_checkpoint", "report.save_checkpoint")}  # (report.py's before checkpoint.py)
 EVAL_PARTS = {  # inside the evaluation; what is left of it is CE, norms, residual, strict exact match
     "eval: radial fraction": "looplm.radial_fraction", "eval: ρ power iteration": "report.loop_map_rho",
     "eval: tokens/s": "report.depth_throughput", "eval: public addition protocol": "report.public_addition_accuracy"}
@@ -360,7 +361,8 @@ def preset_runs(args):
             for (file, _, func), (_, _, _, ct, _) in pstats.Stats(prof).stats.items():
                 key = f"{os.path.splitext(os.path.basename(file))[0]}.{func}"
                 cum[key] = max(cum.get(key, 0.0), ct)
-        sec = {phase: cum.get(fn, 0.0) for phase, fn in PHASES.items()}
+        total = lambda fns: sum(cum.get(fn, 0.0) for fn in ((fns,) if isinstance(fns, str) else fns))
+        sec = {phase: total(fns) for phase, fns in PHASES.items()}
         sec["train steps"] -= cum.get("train.evaluate_and_save", 0.0)  # the evaluations and saves it makes
         sec["start-up"] = wall - sum(sec.values())                    # process start, imports, the model
         parts = {part: cum.get(fn, 0.0) for part, fn in EVAL_PARTS.items()}

@@ -215,8 +215,8 @@ def out_of_memory(e, batch_size, block_size, n_loops):
     if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e)):
         return e
     return RunError(f"out of memory at --batch_size {batch_size} --block_size {block_size} --n_loops {n_loops}: lower "
-                    "one of them (--gradient_accumulation_steps keeps the tokens per step; --checkpoint_loops keeps "
-                    "training memory flat in the depth)")
+                    "one of them, or with sampled depths --loop_max or --grad_loops (--gradient_accumulation_steps keeps "
+                    "the tokens per step; --checkpoint_loops keeps training memory flat in the depth)")
 
 
 # ---------------------------------------------------------------- the log

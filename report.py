@@ -74,8 +74,6 @@ DEPTHS = (1, 2, 4, 8, 16, 32, 64, 100)  # where ρ and the public protocol are m
 
 
 @torch.no_grad()
-
-
 def addition_eval(model, cfg, n_loops, device, final=True):
     """Exact match at every depth 1..n_loops by two protocols, the loop map's ρ at a few depths, and what
     the model gets right digit by digit at its trained depth.
@@ -132,8 +130,6 @@ def addition_eval(model, cfg, n_loops, device, final=True):
 
 
 @torch.no_grad()
-
-
 def public_addition_accuracy(model, x, y, n_loops, device):
     """Paper B's protocol at depth n_loops: greedy, the answer length given, digits compared as an int."""
     answer = y != -1
@@ -163,8 +159,6 @@ def loop_map_rho(model, h0, k, states, mask=None, iters=40):
 
 
 @torch.no_grad()
-
-
 def evaluate_lm(model, val, cfg, K_eval, device, ctx):
     """Per loop k = 1..K_eval: CE/PPL, ‖H_k‖ stats (L2, per token), radial gradient fraction,
     fixed-point residual, spectral radius of the loop map, clamp ΔCE, tokens/s at depth k (ρ and tokens/s
@@ -179,7 +173,7 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
     K_train, final_norm = model.config.n_loops, model.config.readout == "final_norm"
     K_clamp = min(K_eval, max(8, K_train))  # the clamp (a second pass) at the trained depths, not at all 64
     norms = [[] for _ in range(K_eval)]
-    for i, (x, y) in enumerate(batches):
+    for x, y in batches:
         x, y = x.to(device), y.to(device)
         with ctx:
             states = model.loop_states(x, K_eval)
@@ -194,9 +188,8 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
                 norms[k - 1].append(token_norms(states[k - 1]).cpu())
                 if k > 1:
                     res[k - 1] += fixed_point_residual(states[k - 2], states[k - 1]) / len(batches)
-        if i == 0:  # the first batch's states: the radial fraction and ρ below
-            first = (x, y, states)
-    x, y, states = first
+    x, y = batches[0][0].to(device), batches[0][1].to(device)
+    states = model.loop_states(x, K_eval)  # (the first batch again, in fp32: the radial fraction and ρ below)
     h0 = model.embed(x[:4])
     rows = []
     timed = lambda k: k <= 8 or k in DEPTHS or k == K_eval  # ρ and tokens/s (the costly ones) at these depths only

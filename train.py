@@ -123,6 +123,9 @@ def settings(argv):
     model_args = {f.name: values[f.name] for f in fields(LoopLMConfig)}
     check(cfg)
     LoopLMConfig(**model_args)  # checks the model's settings
+    if cfg.zero_digits_steps and cfg.task != "addition":
+        raise UsageError(f"--zero_digits_steps {cfg.zero_digits_steps} is a curriculum of the addition task; "
+                         "use it with --task addition")
     if cfg.eval_only and cfg.init_from != "resume":
         raise UsageError("--eval_only needs --init_from resume (and a checkpoint in --out_dir)")
     if cfg.device != "auto":
@@ -448,7 +451,10 @@ def start(cfg, model_args, given):
             model.step = torch.compile(model.step)
         code = train(cfg, run, model, optimizer)
     except RuntimeError as e:  # out of memory (CUDA's OutOfMemoryError is one): one line saying what to lower
-        raise checkpoint.out_of_memory(e, cfg.batch_size, mcfg.block_size, mcfg.n_loops) from None
+        oom = checkpoint.out_of_memory(e, cfg.batch_size, mcfg.block_size, mcfg.n_loops)
+        if oom is e:
+            raise
+        raise oom from None
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()

@@ -4,9 +4,9 @@ its train.py options, run once per seed (nanochat's runs/speedrun.sh, with seeds
 
     ROWS = {"baseline": "config/addition_cpu.py",
             "stars":    "config/addition_cpu.py --loop_sampling lognormal --stars_lambda 0.1"}
-    args = study.parse("paper_b", __doc__, default_seeds="1,2,3,4,5")
-    runs = study.run_all("paper_b", ROWS, args)   # {row: {seed: report.json}}, finished runs skipped
-    study.write_page(args, "paper_b", text)       # experiments/paper_b.md, with the provenance header
+    args = study.parse("paper_b", __doc__, "1,2,3,4,5", QUICK)  # --seeds, --rows, --jobs, --quick, --device ...
+    runs = study.run_all(ROWS, args)         # {row: {seed: (run.json, report.json)}}: runs, skips finished ones
+    study.write_page(args, *page(runs, args))  # experiments/paper_b.md and its plots, with the provenance line
 
 Each run lives in runs/<study>/<row>/s<seed>/ (train.py's ckpt.pt, log.jsonl, report.json, plots, and
 run.json: the command, its wall time, the commit and the machine). A run whose run.json holds the same
@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from data import atomic_write_text  # noqa: E402
 
 
 def parse(study, doc, default_seeds, quick_args):
@@ -37,7 +39,8 @@ def parse(study, doc, default_seeds, quick_args):
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N: passed to every run (default cpu)")
     p.add_argument("--rows", default="", help="comma-separated row names: only these (default: every row)")
     p.add_argument("--runs", default="", help=f"folder of the runs (default runs/{study}, runs/{study}-quick)")
-    p.add_argument("--out", default="", help="folder of the page and its plots (default: beside this script)")
+    p.add_argument("--out", default="", help="folder of the page and its plots (default: beside this script; --quick: "
+                                             "the runs folder)")
     p.add_argument("--train_args", default="", help="more train.py options for every run (say, --data_dir DIR offline)")
     p.add_argument("--quick", action="store_true", help="two rows, one seed, a few steps: checks the pipeline")
     p.add_argument("--dry_run", action="store_true", help="print the commands and exit")
@@ -48,8 +51,8 @@ def parse(study, doc, default_seeds, quick_args):
         args.seeds = args.seeds[:1]
     args.quick_args = quick_args
     args.study = study
-    args.runs = args.runs or os.path.join(ROOT, "runs", study + ("-quick" if args.quick else ""))
-    args.out = args.out or os.path.dirname(os.path.abspath(sys.argv[0]))
+    args.runs = os.path.abspath(args.runs or os.path.join(ROOT, "runs", study + ("-quick" if args.quick else "")))
+    args.out = os.path.abspath(args.out or (args.runs if args.quick else os.path.dirname(os.path.abspath(sys.argv[0]))))
     os.makedirs(args.out, exist_ok=True)
     return args
 
@@ -62,55 +65,92 @@ def command(options, seed, out_dir, args):
     return argv + shlex.split(args.train_args) + (shlex.split(args.quick_args) if args.quick else [])
 
 
+def same_command(meta, argv):
+    """Whether run.json's command is argv, wherever the runs folder is (--out_dir left out)."""
+    strip = lambda a: [v for i, v in enumerate(a) if v != "--out_dir" and (i == 0 or a[i - 1] != "--out_dir")]
+    return "argv" in meta and strip(meta["argv"]) == strip(argv)
+
+
+def read_json(path):
+    try:
+        return json.load(open(path))
+    except (OSError, ValueError):  # missing, or torn by a kill mid-write
+        return {}
+
+
 def run_one(argv, out_dir):
-    """train.py once, unless it already finished with this command; returns (run.json dict, report dict)."""
-    meta_path, rep_path = os.path.join(out_dir, "run.json"), os.path.join(out_dir, "report.json")
-    meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
-    if meta.get("argv") == argv and meta.get("finished") and os.path.exists(rep_path):
-        return meta, json.load(open(rep_path))
-    same = meta.get("argv") == argv and os.path.exists(os.path.join(out_dir, "ckpt.pt"))
-    extra = ["--init_from", "resume"] if same else (["--overwrite"] if os.path.exists(out_dir) else [])
+    """train.py once, unless it already finished with this command; returns (run.json dict, report dict).
+    A run of another command in out_dir is removed first; an interrupted one continues from its checkpoint."""
+    meta_path, rep_path, ckpt = (os.path.join(out_dir, f) for f in ("run.json", "report.json", "ckpt.pt"))
+    meta = read_json(meta_path)
+    same = same_command(meta, argv)
+    if same and os.path.exists(rep_path) and os.path.exists(ckpt) and os.path.getmtime(rep_path) >= os.path.getmtime(ckpt):
+        meta["finished"] = True  # (the final report is written after the final save: it finished)
+    if same and meta.get("finished"):
+        return meta, read_json(rep_path)
+    if not same and os.path.exists(out_dir):
+        shutil.rmtree(out_dir)  # another command's run: its checkpoint must not be resumed under this one
+    extra = ["--init_from", "resume"] if same and os.path.exists(ckpt) else []
     os.makedirs(out_dir, exist_ok=True)
-    meta = {"argv": argv, "out_dir": out_dir, "finished": False, "commit": commit(), "machine": machine()}
-    json.dump(meta, open(meta_path, "w"), indent=1)
-    t0 = time.time()
-    with open(os.path.join(out_dir, "train.out"), "a") as log:
-        code = subprocess.call([sys.executable, "train.py", *argv, *extra], cwd=ROOT, stdout=log,
-                               stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    meta = {"argv": argv, "out_dir": out_dir, "finished": False, "commit": commit(), "machine": machine(),
+            "wall_s": meta.get("wall_s", 0) if same else 0}
+    atomic_write_text(meta_path, json.dumps(meta, indent=1))
+    t0, code = time.time(), None
+    try:
+        with open(os.path.join(out_dir, "train.out"), "a") as log:
+            code = subprocess.call([sys.executable, "train.py", *argv, *extra], cwd=ROOT, stdout=log,
+                                   stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    finally:  # an interrupted attempt's time counts too
+        meta.update(wall_s=round(meta["wall_s"] + time.time() - t0, 1), date=datetime.datetime.now().isoformat(timespec="seconds"))
+        meta["finished"] = code == 0
+        atomic_write_text(meta_path, json.dumps(meta, indent=1))
     if code != 0:
         raise SystemExit(f"run failed (exit {code}): python train.py {shlex.join(argv)}; see {out_dir}/train.out")
-    meta.update(finished=True, wall_s=round(time.time() - t0, 1) + meta.get("wall_s", 0),
-                date=datetime.datetime.now().isoformat(timespec="seconds"))
-    json.dump(meta, open(meta_path, "w"), indent=1)
-    return meta, json.load(open(rep_path))
+    return meta, read_json(rep_path)
+
+
+def finished_runs(rows, args):
+    """Every finished run on disk of every row at its current command, whatever the seed: {row: {seed: (run, report)}}.
+    The page is made of these, so a study run for more seeds of one row adds them to the page."""
+    out = {}
+    for name in rows:
+        folder = os.path.join(args.runs, name)
+        for d in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            if not (d.startswith("s") and d[1:].isdigit()):
+                continue
+            seed, path = int(d[1:]), os.path.join(folder, d)
+            meta = read_json(os.path.join(path, "run.json"))
+            if meta.get("finished") and same_command(meta, command(rows[name], seed, path, args)):
+                out.setdefault(name, {})[seed] = meta, read_json(os.path.join(path, "report.json"))
+    if not out:
+        raise SystemExit(f"no finished run in {args.runs} for these rows: run the study first")
+    return out
 
 
 def run_all(rows, args):
-    """Every (row, seed), args.jobs at once: {row: {seed: (run.json, report.json)}}."""
-    if args.rows:
-        rows = {k: v for k, v in rows.items() if k in args.rows.split(",")}
+    """Run every (row, seed) asked, args.jobs at once, then return finished_runs: the page's runs."""
+    unknown = set(filter(None, args.rows.split(","))) - rows.keys()
+    if unknown:
+        raise SystemExit(f"--rows: no row named {', '.join(sorted(unknown))}; the rows are {', '.join(rows)}")
+    chosen = {k: v for k, v in rows.items() if not args.rows or k in args.rows.split(",")}
     if args.quick:
-        rows = dict(list(rows.items())[:2])
-    jobs = [(name, seed, os.path.join(args.runs, name, f"s{seed}")) for name in rows for seed in args.seeds]
-    argvs = {(name, seed): command(rows[name], seed, d, args) for name, seed, d in jobs}
+        rows = chosen = dict(list(chosen.items())[:2])
+    jobs = [(name, seed, os.path.join(args.runs, name, f"s{seed}")) for name in chosen for seed in args.seeds]
+    argvs = {(name, seed): command(chosen[name], seed, d, args) for name, seed, d in jobs}
     for name, seed, _ in jobs:
         print(f"python train.py {shlex.join(argvs[name, seed])}")
     if args.dry_run:
         raise SystemExit(0)
-    if args.page_only:
-        out = {}
-        for name, seed, d in jobs:
-            meta = json.load(open(os.path.join(d, "run.json"))) if os.path.exists(os.path.join(d, "run.json")) else {}
-            if meta.get("argv") == argvs[name, seed] and meta.get("finished"):
-                out.setdefault(name, {})[seed] = meta, json.load(open(os.path.join(d, "report.json")))
-        return out
-    with ThreadPoolExecutor(args.jobs) as pool:
-        futures = {(name, seed): pool.submit(run_one, argvs[name, seed], d) for name, seed, d in jobs}
-        out = {}
-        for (name, seed), f in futures.items():
-            out.setdefault(name, {})[seed] = f.result()
-            print(f"done: {name} seed {seed} ({out[name][seed][0].get('wall_s', 0) / 60:.1f} min)", flush=True)
-    return out
+    if not args.page_only:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            futures = {(name, seed): pool.submit(run_one, argvs[name, seed], d) for name, seed, d in jobs}
+            try:
+                for (name, seed), f in futures.items():
+                    print(f"done: {name} seed {seed} ({f.result()[0]['wall_s'] / 60:.1f} min)", flush=True)
+            except BaseException:  # Ctrl-C or a failed run: start nothing more
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+    return finished_runs(rows, args)
 
 
 # ---------------------------------------------------------------- the page
@@ -118,7 +158,8 @@ def commit():
     """HEAD's short hash, with "+changes" when tracked files differ from it (the page says so)."""
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!experiments/*.md", ":!assets")
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!experiments/*.md", ":!experiments/*.png",
+                ":!assets")
     return head + ("+changes" if dirty else "")
 
 
@@ -143,8 +184,8 @@ def provenance(runs, args):
     walls = [m.get("wall_s", 0) / 60 for m in metas]
     dates = sorted(m.get("date", "?")[:10] for m in metas)
     cmd = shlex.join([f"experiments/{args.study}.py", *sys.argv[1:]])
-    return (f"Generated by `python {cmd}` ({len(metas)} runs, seeds {', '.join(map(str, args.seeds))}"
-            + (": the finished ones" if args.page_only else "") + "). "
+    seeds = sorted({s for r in runs.values() for s in r})
+    return (f"Generated by `python {cmd}` ({len(metas)} finished runs, seeds {', '.join(map(str, seeds))}). "
             f"Code: commit {', '.join(sorted({m['commit'] for m in metas}))}. "
             f"Runs dated {dates[0]}" + (f" to {dates[-1]}" if dates[-1] != dates[0] else "") +
             f" on {'; '.join(sorted({m['machine'] for m in metas}))}, {args.jobs} at once, "
@@ -153,7 +194,7 @@ def provenance(runs, args):
 
 
 def write_page(args, text, figures=()):
-    """experiments/<study>.md (or --out): the text, then a table of every run's wall time."""
+    """experiments/<study>.md (or --out): the page's text."""
     path = os.path.join(args.out, f"{args.study}{'-quick' if args.quick else ''}.md")
     with open(path, "w") as f:
         f.write(text)
