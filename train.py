@@ -2,7 +2,7 @@
 train.py: train and evaluate looped LMs, on one GPU, on a CPU, or on several processes (torchrun).
 
     python train.py --readout raw --per_loop_ce                  # Paper A's 44M shape on WikiText-103
-    python train.py config/cpu_tiny.py                           # a real run on a 2-core CPU, ~5.5 minutes
+    python train.py config/cpu_tiny.py                           # a real run on a 2-core CPU, ~8 minutes
     python train.py config/addition_cpu.py --stars_lambda 0.1 --loop_sampling lognormal   # Paper B's addition
     python train.py --eval_only --init_from resume --out_dir out # re-evaluate a checkpoint
     python train.py --compare out-a,out-b --out_dir cmp          # table and overlaid plots of several runs

@@ -1,4 +1,4 @@
-# The quick start: a looped LM on real text in 5m33s on 2 CPU cores (measured), no download. With the default
+# The quick start: a looped LM on real text in about 8 minutes on 2 CPU cores, no download. With the default
 # (Paper A's) init and the norm readout, its ‖H_K‖ already runs to ~600: the blind spot, in five minutes.
 # python train.py config/cpu_tiny.py  (add --readout raw, --norm_penalty 0.01, ... to compare)
 dataset = "pydoc"             # the Python docs that ship with CPython

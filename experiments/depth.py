@@ -29,6 +29,14 @@ ROWS = {
     "inject-loopnorm-noise0.3-mean4": f"{P} --inject --loop_norm --state_noise 0.3",
     "inject-loopnorm-deep-from300": f"{P} --inject --loop_norm --loop_mu 2 --grad_loops 4 --loop_start 300",
     "deq16-inject-loopnorm": f"{P} --loop_sampling fixed --inject --loop_norm --n_loops 16 --grad_loops 4",  # DEQ-style
+    # round 2: is the random start's cost at K a cost of 600 steps? (and the baseline at the same budget)
+    "baseline-2400": f"{P} --loop_sampling fixed --max_iters 2400",
+    "inject-loopnorm-noise1-2400": f"{P} --inject --loop_norm --state_noise 1 --max_iters 2400",
+    "sandwich-2400": f"{P} --block_norm sandwich --max_iters 2400",                         # Paper B's block, longer
+    "inject-loopnorm-noise1-stars": f"{P} --inject --loop_norm --state_noise 1 --stars_lambda 0.1 --stars_warmup 120 "
+                                    "--stars_rows 4",                                        # the random start + STARS
+    "inject-loopnorm-noise1-stars-iters4": f"{P} --inject --loop_norm --state_noise 1 --stars_lambda 0.1 "
+                                           "--stars_warmup 120 --stars_rows 4 --stars_iters 4",  # aimed at ρ itself
 }
 QUICK = "--max_iters 4 --eval_interval 4 --eval_iters 1 --batch_size 4 --eval_loops 16 --dataset pydoc"
 DEPTHS = (1, 2, 4, 8, 16, 32, 64)

@@ -63,9 +63,11 @@ def page(runs, args):
     lines.append(f"\n## Each seed: strict exact match (%) at {K}, 64 and 100 loops; when it left the plateau\n")
     lines.append("On the loss plateau the model gets the space and the last answer position right and every other digit "
                  "at chance. \"left\" is the first evaluation with ≥ 50% strict exact match at the trained depth.\n")
+    has_pos = any("answer_positions" in rep["addition"] for r in runs.values() for _, rep in r.values())
     lines.append("| recipe | seed | " + " | ".join(f"{k} loops" for k in (K, 64, 100) if k in depths)
-                 + " | left the plateau at step | each answer digit right at the end, units first (%) | wall (min) |")
-    lines.append("|---|---|" + "---|" * (len([k for k in (K, 64, 100) if k in depths]) + 3))
+                 + " | left the plateau at step |" + (" each answer digit right at the end, units first (%) |" if has_pos
+                                                        else "") + " wall (min) |")
+    lines.append("|---|---|" + "---|" * (len([k for k in (K, 64, 100) if k in depths]) + 2 + has_pos))
     for name, seeds in runs.items():
         for seed, (meta, rep) in sorted(seeds.items()):
             dig = rep["addition"].get("answer_positions")
@@ -73,7 +75,8 @@ def page(runs, args):
                 if dig else "n/a"
             out = plateau_exit(read_log(meta["out_dir"])) if "out_dir" in meta else None
             lines.append(f"| {name} | {seed} | " + " | ".join(pct(acc(rep, k)) for k in (K, 64, 100) if k in depths)
-                         + f" | {out if out is not None else 'never'} | {dcells} | {meta.get('wall_s', 0) / 60:.1f} |")
+                         + f" | {out if out is not None else 'never'} |" + (f" {dcells} |" if has_pos else "")
+                         + f" {meta.get('wall_s', 0) / 60:.1f} |")
     # what holds on how many seeds: counted, not typed
     n = lambda seeds, ok: f"{sum(ok(rep) for _, rep in seeds.values())} of {len(seeds)}"
     lines.append("\n## What holds on how many seeds\n")
