@@ -190,10 +190,11 @@ def command(name, body, interrupted=lambda: "interrupted"):
     """Run a command line's body the way every looplm command ends: UsageError -> one line, exit 2;
     RunError -> one line, exit 1; Ctrl-C -> interrupted() as one line, exit 130, and SIGTERM the same
     with exit 143 (in every phase: its default would end the process without a word); a closed stdout
-    pipe -> quiet. Returns the exit code."""
+    pipe -> quiet. Both handlers are set, so a run started in the background (where the shell ignores
+    SIGINT) still stops cleanly on it. Returns the exit code."""
     if not isinstance(sys.stdout, QuietPipe):
         sys.stdout = QuietPipe(sys.stdout)
-    old_handler = signal.signal(signal.SIGTERM, interrupt)
+    old_handlers = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return body() or 0
     except UsageError as e:
@@ -203,6 +204,7 @@ def command(name, body, interrupted=lambda: "interrupted"):
     except KeyboardInterrupt as e:
         code, msg = 143 if isinstance(e, Terminated) else 130, interrupted()
     finally:
-        signal.signal(signal.SIGTERM, old_handler or signal.SIG_DFL)
+        for s, h in old_handlers.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
     print(f"{name}: {msg}", file=sys.stderr)
     return code

@@ -382,7 +382,8 @@ def ce_by_loop(model, idx, targets, n_loops=None, clamp=False):
 
 def radial_fraction(model, h, targets, k, n_loops):
     """Paper A's Lemma 1, measured: |<∇_H CE_k, H>| / (‖∇_H CE_k‖·‖H‖) per token, averaged.
-    ~0 for a scale-invariant readout: the loss cannot see (or correct) the state's scale."""
+    The gradient is CE_k's through loop k's own readout (h detached: later loops' losses are left out).
+    ~0 for a scale-invariant readout: that loss cannot see (or correct) the state's scale."""
     h = h.detach().float().requires_grad_(True)
     with torch.enable_grad():
         logits = model.readout(h, k, n_loops).float()

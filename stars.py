@@ -49,12 +49,12 @@ def _unit_normal(h, generator, mask=None):
     return v / v.flatten(1).norm(dim=1).clamp_min(1e-12).view(-1, *[1] * (h.dim() - 1))
 
 
-def jsrr_penalty(step_fn, h, mode="jvp", generator=None, iters=1, mask=None):
+def jsrr_penalty(step_fn, h, mode="vjp", generator=None, iters=1, mask=None):
     """Jacobian spectral radius regularizer at state h (batch first).
 
     mode "jvp": Jv by forward-mode AD (torch.func.jvp). One forward pass that carries a tangent.
-    mode "vjp": vᵀJ by backward through the step with create_graph=True, as in the public STARS
-        code. It gives the same value in expectation because E‖vᵀJ‖² = E‖Jv‖² = ‖J‖_F²/n.
+    mode "vjp" (the default): vᵀJ by backward through the step with create_graph=True, as in the
+        public STARS code. It gives the same value in expectation because E‖vᵀJ‖² = E‖Jv‖² = ‖J‖_F²/n.
     iters: power iterations (the public code's spectral_iters, 1 there): v <- Jv/‖Jv‖, each
         through a fresh step, and the last ‖Jv‖² is the penalty. As iters grows it tends to the
         dominant |λ|², i.e. the penalty aims at ρ rather than at the mean squared singular value.

@@ -26,7 +26,7 @@ def test_stars_linear_step_known_spectrum():
     assert abs(stars.spectral_radius(f, h, generator=torch.Generator().manual_seed(2)) - 1.5) < 0.015
     # E‖Jv‖² = ‖A‖_F²/n for unit isotropic v: 4,000 draws in one batch
     H = torch.zeros(4000, 16, dtype=torch.float64)
-    pen, jv_norm = stars.jsrr_penalty(f, H, generator=torch.Generator().manual_seed(3))
+    pen, jv_norm = stars.jsrr_penalty(f, H, mode="jvp", generator=torch.Generator().manual_seed(3))
     assert abs(pen.item() / (A.pow(2).sum().item() / 16) - 1) < 0.05
     assert jv_norm.shape == (4000,) and torch.allclose(jv_norm.pow(2).mean(), pen) and not jv_norm.requires_grad
     # symmetric A: vᵀA = (Av)ᵀ, so the same v gives the same value in both modes

@@ -2,7 +2,7 @@
 train.py: train and evaluate looped LMs, on one GPU, on a CPU, or on several processes (torchrun).
 
     python train.py --readout raw --per_loop_ce                  # Paper A's 44M shape on WikiText-103
-    python train.py config/cpu_tiny.py                           # a real run on a 2-core CPU, ~8 minutes
+    python train.py config/cpu_tiny.py                           # a real run on a 2-core CPU, no download
     python train.py config/addition_cpu.py --stars_lambda 0.1 --loop_sampling lognormal   # Paper B's addition
     python train.py --eval_only --init_from resume --out_dir out # re-evaluate a checkpoint
     python train.py --compare out-a,out-b --out_dir cmp          # table and overlaid plots of several runs
@@ -84,11 +84,13 @@ class TrainConfig:
     grad_clip: float = setting(1.0, "clip the gradient norm to this (0 = off)", lo=0.0, hi=1e6)
     # depth during training (Paper B)
     loop_sampling: str = setting("fixed", "fixed: n_loops | lognormal: clip(round(LogNormal(mu, sigma)), 1, loop_max) "
-                                 "| poisson_lognormal: Huginn's, mean loop_mean", choices=stars.KINDS)
+                                 "| poisson_lognormal: Huginn's, Poisson(e^τ) + 1 with E[e^τ] = loop_mean",
+                                 choices=stars.KINDS)
     loop_mu: float = setting(2.0, "lognormal: mu", lo=-10.0, hi=10.0)
     loop_sigma: float = setting(0.7, "lognormal and poisson_lognormal: sigma", lo=0.0, hi=10.0)
     loop_max: int = setting(100, "the largest sampled number of loops", lo=1, hi=100_000)
-    loop_mean: float = setting(4.0, "poisson_lognormal: mean number of loops", above=0.0, hi=100_000.0)
+    loop_mean: float = setting(4.0, "poisson_lognormal: r̄, the mean of e^τ (the depth's mean is r̄ + 1 before "
+                                    "loop_max)", above=0.0, hi=100_000.0)
     loop_start: int = setting(0, "sample depths from this step on; before it train at n_loops (a curriculum: the shallow "
                                  "task first; Paper B: 0)", lo=0, hi=10**12)
     grad_loops: int = setting(0, "truncated backprop, gradient through the last N loops only (0: every loop, as Paper B; "
@@ -254,7 +256,8 @@ def train(cfg, run, model, optimizer):
                 (loss / cfg.gradient_accumulation_steps).backward()
                 logged[:2] += torch.stack([loss.detach().float(), token_norms(states[-1].detach()).mean()]) \
                     / cfg.gradient_accumulation_steps
-                jv_norm = jv.mean() if jv is not None else None
+                if jv is not None:  # the penalty's ‖Jv‖, averaged over sequences and micro-batches
+                    jv_norm = (0 if jv_norm is None else jv_norm) + jv.mean() / cfg.gradient_accumulation_steps
             logged[2] = float("sig" in stop)
             if run.world > 1:  # average the gradients and the logged numbers over ranks
                 all_reduce_mean(list(model.parameters()), logged)

@@ -1,6 +1,7 @@
 # Paper A's ablation at CPU scale on real text: WikiText-2 as bytes (train on the small test split, evaluate
 # on valid), Paper A's recipe otherwise: torch's default init, constant LR with no warm-up, AdamW wd 0.01,
-# clip 1.0, windows every half-window in shuffled epochs. 8 minutes a run with one thread. See README.
+# clip 1.0, windows every half-window in shuffled epochs. About 7 minutes a run with one thread, two at once
+# (experiments/paper_a.md, the study of its ten rows on three seeds).
 # python train.py config/ablation_cpu.py --readout raw --per_loop_ce --out_dir out-ablation/raw-perloop
 # (offline: add --data_dir DIR, a folder holding WikiText-2's valid.txt and test.txt)
 dataset = "wikitext2"
@@ -12,7 +13,7 @@ window_stride = 64
 dropout = 0.0
 init = "pytorch"
 batch_size = 16
-learning_rate = 2e-3          # the paper's 3e-4 is for 4 epochs of WikiText-103; 600 steps need more (README)
+learning_rate = 2e-3          # the paper's 3e-4 is for 4 epochs of WikiText-103; 600 steps need more (lr3e-4 row)
 lr_schedule = "constant"
 weight_decay = 0.01
 max_iters = 600

@@ -1,6 +1,7 @@
-# The quick start: a looped LM on real text in about 8 minutes on 2 CPU cores, no download. With the default
-# (Paper A's) init and the norm readout, its ‖H_K‖ already runs to ~600: the blind spot, in five minutes.
-# python train.py config/cpu_tiny.py  (add --readout raw, --norm_penalty 0.01, ... to compare)
+# The quick start: a looped LM on real text on 2 CPU cores, no download. With the default (Paper A's) init,
+# per-loop CE and the norm readout, ‖H_K‖ drifts: the blind spot. --readout raw is the fix, side by side:
+# python train.py config/cpu_tiny.py
+# python train.py config/cpu_tiny.py --readout raw --out_dir out-cpu-tiny-raw
 dataset = "pydoc"             # the Python docs that ship with CPython
 tokenizer = "bytes"
 n_embd, n_head, n_layer, n_loops = 128, 4, 2, 4

@@ -1,4 +1,4 @@
-# The depth study on text (README, "Depth as a dial on text"): WikiText-2 as bytes (train on the small test split,
+# The depth study on text (experiments/depth.py): WikiText-2 as bytes (train on the small test split,
 # evaluate on valid), the CPU language shape, 600 steps, evaluated at every depth 1..64.
 dataset = "wikitext2"
 train_split = "test"
@@ -19,9 +19,9 @@ eval_loops = 64
 per_loop_ce = True
 out_dir = "out-depth"
 device = "cpu"
-init = "normal"             # Paper B's N(0, 0.02) (README: with torch's defaults no recipe gains from loops)
+init = "normal"             # Paper B's N(0, 0.02) (torch's defaults, Paper A's: --init pytorch)
 seed = 42
 # the recipe: depth sampled from LogNormal(1.14, 0.7) capped at 32 (mean 4.0 loops, the baseline's compute), with
-# backprop through every loop (README: the fixed-depth baseline is --loop_sampling fixed)
+# backprop through every loop (the fixed-depth baseline: --loop_sampling fixed)
 loop_sampling = "lognormal"
 loop_mu, loop_sigma, loop_max = 1.14, 0.7, 32

@@ -48,27 +48,9 @@ def page(runs, args):
     lines.append("| run | seeds | " + " | ".join(c[0] for c in cols) + " |\n|---|---|" + "---|" * len(cols))
     for name, seeds in runs.items():
         lines.append(f"| {name} | {len(seeds)} | " + " | ".join(col(seeds, f, fmt) for _, f, fmt in cols) + " |")
-    # Paper A's claims, counted seed by seed where both rows ran
-    both = lambda a, b: [s for s in runs.get(a, {}) if s in runs.get(b, {})]
-    rep = lambda row, s: runs[row][s][1]
+    # Paper A's claims, counted seed by seed over the seeds both rows ran
     lines.append("\n## Paper A's claims, seed by seed\n")
-    seeds = both("norm-perloop", "raw-perloop")
-    if seeds:
-        ratio = [last(rep("norm-perloop", s))["norm_mean"] / last(rep("raw-perloop", s))["norm_mean"] for s in seeds]
-        lines.append(f"- Norm drift: per-loop `norm` ends at {min(ratio):.0f}x to {max(ratio):.0f}x the `raw` readout's "
-                     f"‖H_K‖; larger on {sum(r > 1 for r in ratio)} of {len(seeds)} seeds.")
-        gain = lambda row, s: rep(row, s)["per_loop"][3]["ppl"] - rep(row, s)["per_loop"][0]["ppl"]
-        lines.append(f"- Extra loops stop helping `norm`: ΔPPL 1→4 {mr([gain('norm-perloop', s) for s in seeds], '+.3f')} "
-                     f"against `raw` {mr([gain('raw-perloop', s) for s in seeds], '+.3f')}; `raw` gains more on "
-                     f"{sum(gain('raw-perloop', s) < gain('norm-perloop', s) for s in seeds)} of {len(seeds)} seeds.")
-        better = sum(rep("raw-perloop", s)["per_loop"][3]["ppl"] < rep("norm-perloop", s)["per_loop"][3]["ppl"] for s in seeds)
-        lines.append(f"- The fix gives a better model: `raw` ends below `norm` at K = 4 on {better} of {len(seeds)} seeds.")
-    norm_rows = [r for r in runs if not r.startswith(("raw", "nanogpt-raw"))]
-    rad = [last(m[1])["radial_fraction"] for r in norm_rows for m in runs[r].values()]
-    raw = [last(m[1])["radial_fraction"] for r in runs if r.startswith(("raw", "nanogpt-raw")) for m in runs[r].values()]
-    if rad and raw:
-        lines.append(f"- Radial blindness: radial fraction {min(rad):.1e} to {max(rad):.1e} for every run read out through "
-                     f"RMSNorm, {min(raw):.1e} to {max(raw):.1e} for the `raw` readout (Paper A: 1e-9 to 1e-8, ~1e-2).")
+    lines += claims(runs)
     fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
     for name, seeds in runs.items():
         ks = [r["k"] for r in next(iter(seeds.values()))[1]["per_loop"]]
@@ -81,6 +63,53 @@ def page(runs, args):
     png = study.savefig(fig, args, "ppl_norms")
     lines.insert(2, f"\n![PPL and ‖H_k‖ by loop, seed means]({png})\n")
     return "\n".join(lines) + "\n", [png]
+
+
+def claims(runs):
+    """Each of Paper A's claims as one line: the seed mean (min–max) and on how many seeds it holds."""
+    mr = study.mean_range
+    both = lambda a, b: [s for s in runs.get(a, {}) if s in runs.get(b, {})]
+    at = lambda row, s, k=4: runs[row][s][1]["per_loop"][k - 1]
+    gain = lambda row, s: at(row, s, 4)["ppl"] - at(row, s, 1)["ppl"]
+    out = []
+    for norm, raw, what, paper in (("norm-perloop", "raw-perloop", "Norm drift (Paper A's init)",
+                                    " (Paper A: 39,207 against 17–83)"),
+                                   ("nanogpt-norm-perloop", "nanogpt-raw-perloop", "Under nanoGPT's init", "")):
+        seeds = both(norm, raw)
+        if seeds:
+            ratio = [at(norm, s)["norm_mean"] / at(raw, s)["norm_mean"] for s in seeds]
+            out.append(f"- {what}: per-loop `norm` ends at ‖H_K‖ {mr([at(norm, s)['norm_mean'] for s in seeds])}, "
+                       f"`raw` at {mr([at(raw, s)['norm_mean'] for s in seeds])}: {mr(ratio, '.0f')}x; larger on "
+                       f"{sum(r > 1 for r in ratio)} of {len(seeds)} seeds{paper}.")
+    seeds = both("norm-perloop", "norm-perloop-penalty")
+    if seeds:
+        ratio = [at("norm-perloop", s)["norm_mean"] / at("norm-perloop-penalty", s)["norm_mean"] for s in seeds]
+        out.append(f"- The norm penalty keeps the scale down: ‖H_K‖ {mr([at('norm-perloop-penalty', s)['norm_mean'] for s in seeds])}, "
+                   f"{mr(ratio, '.0f')}x below `norm`; below it on {sum(r > 1 for r in ratio)} of {len(seeds)} seeds.")
+    blind = [at(r, s)["radial_fraction"] for r in runs if "raw" not in r for s in runs[r]]
+    seen = [at(r, s)["radial_fraction"] for r in runs if "raw" in r for s in runs[r]]
+    if blind and seen:
+        out.append(f"- Radial blindness: radial fraction {min(blind):.1e} to {max(blind):.1e} for all {len(blind)} runs read "
+                   f"out through RMSNorm, {min(seen):.1e} to {max(seen):.1e} for the {len(seen)} `raw` runs "
+                   "(Paper A: 1e-9 to 1e-8, ~1e-2).")
+    for fix in ("raw-perloop", "final_norm-perloop", "norm-perloop-penalty", "norm-perloop-loop_norm"):
+        seeds = both("norm-perloop", fix)
+        if seeds:
+            more = sum(gain(fix, s) < gain("norm-perloop", s) for s in seeds)
+            better = sum(at(fix, s)["ppl"] < at("norm-perloop", s)["ppl"] for s in seeds)
+            out.append(f"- `{fix}`: ΔPPL 1→4 {mr([gain(fix, s) for s in seeds], '+.3f')} against `norm-perloop`'s "
+                       f"{mr([gain('norm-perloop', s) for s in seeds], '+.3f')}: gains more from its loops on {more} of "
+                       f"{len(seeds)} seeds; lower PPL at K = 4 ({mr([at(fix, s)['ppl'] for s in seeds], '.3f')} against "
+                       f"{mr([at('norm-perloop', s)['ppl'] for s in seeds], '.3f')}) on {better} of {len(seeds)}.")
+    # (with loop_norm the next loop sees RMSNorm(H_k) whatever H_k's scale, so the clamp changes nothing: 0 by construction)
+    clamp = [at(r, s)["clamp_delta_ce"] for r in runs if "perloop" in r and "raw" not in r and "loop_norm" not in r
+             for s in runs[r]]
+    if clamp:
+        out.append(f"- Scale clamp: ΔCE {min(clamp):+.4f} to {max(clamp):+.4f} over the {len(clamp)} per-loop runs read out "
+                   "through RMSNorm without `loop_norm` (where it is 0 by construction) (Paper A: +0.0004 to +0.0055); "
+                   "`raw` reads the scale, so clamping it costs "
+                   + mr([at(r, s)["clamp_delta_ce"] for r in runs if r.startswith("raw-perloop") for s in runs[r]], "+.4f") + ".")
+    return out
 
 
 if __name__ == "__main__":
