@@ -56,6 +56,8 @@ class LoopLMConfig:
                            "sees 0 + H_0: the state starts from zero)")
     state_noise: float = setting(0.0, "with inject, in training: loop 1 sees H_0 + Gaussian noise of this RMS relative to "
                                  "H_0's (Huginn's random start; evaluation and sampling start from zero)", lo=0.0, hi=100.0)
+    state_noise_frac: float = setting(1.0, "the share of each batch's sequences that get state_noise; the rest start from "
+                                      "zero, as at evaluation", lo=0.0, hi=1.0)
     norm: str = setting("rmsnorm", "every norm: rmsnorm (Paper A) | layernorm, with a bias (Paper B's code)",
                         choices=("rmsnorm", "layernorm"))
     bias: bool = setting(False, "biases in the Linear layers (Paper B's code has them)")
@@ -68,6 +70,9 @@ class LoopLMConfig:
         if self.state_noise and not self.inject:
             raise UsageError(f"--state_noise {self.state_noise} needs --inject: without it the input would never "
                              "reach a state that starts from noise")
+        if self.state_noise_frac != 1.0 and not self.state_noise:
+            raise UsageError(f"--state_noise_frac {self.state_noise_frac} needs --state_noise: it is the share of "
+                             "sequences that get that noise")
         if self.n_embd % self.n_head:
             raise UsageError(f"--n_embd {self.n_embd} is not divisible by --n_head {self.n_head}; "
                              "pick n_embd a multiple of n_head")
@@ -267,7 +272,9 @@ class LoopLM(nn.Module):
         h0 = self.embed(idx)
         h, states = h0, []
         if self.config.state_noise > 0 and self.training:  # Huginn's random start: loop 1 sees noise + H_0
-            h = h0 + torch.randn_like(h0) * rms(h0.detach()) * self.config.state_noise
+            noise = torch.randn_like(h0) * rms(h0.detach()) * self.config.state_noise
+            noise[round(self.config.state_noise_frac * len(noise)):] = 0  # the first sequences only (the batch is random)
+            h = h0 + noise
         for k in range(1, K + 1):
             no_grad = grad_loops is not None and k <= K - grad_loops
             with torch.set_grad_enabled(torch.is_grad_enabled() and not no_grad):

@@ -164,10 +164,10 @@ def training_depth(cfg, step, n_loops, generator):
 def looplm_step_fn(model, h0):
     """LoopLM's loop map as a function of the state alone: H_k -> H_{k+1} (with loop_norm the
     inter-loop norm is part of the map: LoopLM.step carries the state in). h0 is the embedding, which the step adds when
-    config.inject is on, and it is held fixed. The step always runs eagerly (the class's method,
+    config.inject is on (None without it), and it is held fixed. The step always runs eagerly (the class's method,
     not a torch.compile'd model.step: compiled graphs have no double backward) with explicit
     attention, so jvp and double backward work even if the model's forward uses SDPA."""
-    h0 = h0.detach()
+    h0 = None if h0 is None else h0.detach()
 
     def step(h):
         with model.math_attention():
@@ -205,8 +205,7 @@ def training_loss(model, x, y, n_loops, grad_loops=None, penalty=None, checkpoin
     if penalty is None or penalty.lam <= 0:
         return loss, states, None
     n = penalty.rows or x.size(0)
-    # (h0 is used only with inject; embedding it anyway keeps the dropout stream of the README's runs)
-    step = looplm_step_fn(model, model.embed(x[:n]))
+    step = looplm_step_fn(model, model.embed(x[:n]) if model.config.inject else None)
     h = states[-1][:n].detach()
     with torch.no_grad():
         for _ in range(n_loops, penalty.deep):

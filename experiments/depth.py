@@ -35,6 +35,7 @@ ROWS = {
     "sandwich-2400": f"{P} --block_norm sandwich --max_iters 2400",                         # Paper B's block, longer
     "inject-loopnorm-noise1-stars": f"{P} --inject --loop_norm --state_noise 1 --stars_lambda 0.1 --stars_warmup 120 "
                                     "--stars_rows 4",                                        # the random start + STARS
+    "inject-loopnorm-noise1-half": f"{P} --inject --loop_norm --state_noise 1 --state_noise_frac 0.5",  # half from zero
     "inject-loopnorm-noise1-stars-iters4": f"{P} --inject --loop_norm --state_noise 1 --stars_lambda 0.1 "
                                            "--stars_warmup 120 --stars_rows 4 --stars_iters 4",  # aimed at ρ itself
 }
