@@ -273,7 +273,8 @@ class LoopLM(nn.Module):
         h, states = h0, []
         if self.config.state_noise > 0 and self.training:  # Huginn's random start: loop 1 sees noise + H_0
             noise = torch.randn_like(h0) * rms(h0.detach()) * self.config.state_noise
-            noise[round(self.config.state_noise_frac * len(noise)):] = 0  # the first sequences only (the batch is random)
+            # on the last round-half-up(frac·B) sequences (the batch is random; --stars_rows penalizes the first ones)
+            noise[:len(noise) - int(self.config.state_noise_frac * len(noise) + 0.5)] = 0
             h = h0 + noise
         for k in range(1, K + 1):
             no_grad = grad_loops is not None and k <= K - grad_loops

@@ -117,7 +117,7 @@ def test_stars_penalty_alone_drives_rho_below_one():
     rho0 = rho()
     assert rho0 > 1.1
     opt = torch.optim.Adam(m.blocks.parameters(), lr=3e-3)
-    for it in range(40):  # ρ ≈ 1.21 -> ≈ 0.06 in 30 Adam steps
+    for it in range(40):  # the public code's VJP penalty drives ρ from above 1.1 to below 0.5
         h0, h = states()
         pen, _ = stars.jsrr_penalty(stars.looplm_step_fn(m, h0), h, generator=stars.step_generator(0, it))
         opt.zero_grad()

@@ -41,6 +41,21 @@ def test_train_stars_rows_puts_the_penalty_on_that_many_sequences(train_data_arg
         assert seen == [want, want], (rows, seen)  # steps 2 and 3: after the warm-up
         assert all("jv_norm" in r for r in train_losses(tmp_path / rows)[1:])
 
+def test_train_logs_jv_norm_as_the_mean_over_micro_batches(train_data_args, tmp_path, monkeypatch):
+    means, real = [], stars.jsrr_penalty
+    def recorded(f, h, **kw):
+        pen, jv = real(f, h, **kw)
+        means.append(jv.mean().item())
+        return pen, jv
+    monkeypatch.setattr(stars, "jsrr_penalty", recorded)
+    argv = ["--stars_lambda", "0.1", "--stars_warmup", "0", "--max_iters", "2", "--eval_interval", "2",
+            "--gradient_accumulation_steps", "2", "--out_dir", tmp_path / "run"]
+    assert run_train(TRAIN_TINY + train_data_args + argv) == 0
+    logged = [r["jv_norm"] for r in train_losses(tmp_path / "run")]
+    want = [(means[2 * i] + means[2 * i + 1]) / 2 for i in range(2)]
+    assert len(means) == 4 and means[0] != means[1] and logged == pytest.approx(want, rel=1e-6)
+
+
 def test_train_step_reads_the_device_only_at_log_steps(train_data_args, tmp_path, monkeypatch):
     # a GPU step must not wait for the host: no .item()/.tolist()/.cpu()/.numpy() in the training step
     # (train.py, stars.py, looplm.py), except at the log steps. The depth sampler's draw from its
@@ -538,7 +553,11 @@ def test_train_a_signal_in_any_phase_is_one_line_and_128_plus_signal(phase, sig,
         import sample
         monkeypatch.setattr(sample, "generate", signalled)
         argv, held = ["--sample_tokens", "5"], f"{out}/ckpt.pt holds step 6"
-    assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out] + argv) == 128 + sig
+    old = signal.signal(sig, signal.SIG_IGN)  # as a background job of a shell, which ignores SIGINT: still stops
+    try:
+        assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", out] + argv) == 128 + sig
+    finally:
+        signal.signal(sig, old)
     assert one_error_line(capsys) == f"train.py: interrupted; {held}"
     if phase == "tokenizing":
         assert not os.path.exists(out) and os.listdir(tmp_path / "cache") == []

@@ -247,8 +247,7 @@ def train(cfg, run, model, optimizer):
             lam = stars.lambda_at(it, cfg.stars_lambda, cfg.stars_warmup)
             penalty = stars.Penalty(lam, cfg.stars_mode, cfg.stars_rows, cfg.stars_iters, cfg.stars_supervised,
                                     cfg.stars_deep, g_penalty) if lam > 0 else None
-            logged = torch.zeros(3, device=run.device)  # loss, mean ‖H_K‖, signalled: read at log steps only
-            jv_norm = None
+            logged = torch.zeros(4, device=run.device)  # loss, mean ‖H_K‖, signalled, ‖Jv‖: read at log steps only
             for micro in range(cfg.gradient_accumulation_steps):
                 x, y = get_batch(cfg, run, g_batch, micro)
                 with run.ctx:
@@ -256,8 +255,8 @@ def train(cfg, run, model, optimizer):
                 (loss / cfg.gradient_accumulation_steps).backward()
                 logged[:2] += torch.stack([loss.detach().float(), token_norms(states[-1].detach()).mean()]) \
                     / cfg.gradient_accumulation_steps
-                if jv is not None:  # the penalty's ‖Jv‖, averaged over sequences and micro-batches
-                    jv_norm = (0 if jv_norm is None else jv_norm) + jv.mean() / cfg.gradient_accumulation_steps
+                if jv is not None:  # the penalty's ‖Jv‖, averaged over sequences, micro-batches (and ranks)
+                    logged[3] += jv.detach().float().mean() / cfg.gradient_accumulation_steps
             logged[2] = float("sig" in stop)
             if run.world > 1:  # average the gradients and the logged numbers over ranks
                 all_reduce_mean(list(model.parameters()), logged)
@@ -270,14 +269,14 @@ def train(cfg, run, model, optimizer):
             log_now = run.iter_num % cfg.log_interval == 0 or run.iter_num == run.max_iters
             eval_now = run.iter_num % cfg.eval_interval == 0 or run.iter_num == run.max_iters
             if log_now or eval_now:  # the only host syncs of the loop: here, at the log and eval intervals
-                loss_f, norm_K, signalled, grad_f, bad_step = torch.cat([logged, guard.first.reshape(1).float()]).tolist()
+                loss_f, norm_K, signalled, jv_f, grad_f, bad_step = torch.cat([logged, guard.first.reshape(1).float()]).tolist()
                 if bad_step:
                     raise guard.error(bad_step, f"; at step {run.iter_num}: loss {loss_f:.4g}, gradient norm {grad_f:.4g}")
             if run.master and log_now:
                 dt = time.perf_counter() - t0
                 tps = run.tokens_per_iter * cfg.log_interval / dt if run.iter_num % cfg.log_interval == 0 else 0
                 eta = (time.perf_counter() - t_start) / (run.iter_num - it0) * (run.max_iters - run.iter_num)
-                jv_f = None if jv_norm is None else jv_norm.item()
+                jv_f = jv_f if penalty is not None else None
                 checkpoint.append_log(run.log_path, {"iter": run.iter_num, "loss": loss_f, "lr": lr, "loops": n_loops,
                                                  "norm_K": norm_K, "tokens_per_s": tps,
                                                  **({"jv_norm": jv_f} if jv_f is not None else {})})

@@ -30,7 +30,7 @@ ROWS = {
     "inject-loopnorm-deep-from300": f"{P} --inject --loop_norm --loop_mu 2 --grad_loops 4 --loop_start 300",
     "deq16-inject-loopnorm": f"{P} --loop_sampling fixed --inject --loop_norm --n_loops 16 --grad_loops 4",  # DEQ-style
     # round 2: is the random start's cost at K a cost of 600 steps? (and the baseline at the same budget)
-    "baseline-2400": f"{P} --loop_sampling fixed --max_iters 2400",
+    "baseline-2400": f"{P} --loop_sampling fixed --max_iters 2400",   # (a recipe of 2400 steps is held against this)
     "inject-loopnorm-noise1-2400": f"{P} --inject --loop_norm --state_noise 1 --max_iters 2400",
     "sandwich-2400": f"{P} --block_norm sandwich --max_iters 2400",                         # Paper B's block, longer
     "inject-loopnorm-noise1-stars": f"{P} --inject --loop_norm --state_noise 1 --stars_lambda 0.1 --stars_warmup 120 "
@@ -39,6 +39,7 @@ ROWS = {
     "inject-loopnorm-noise1-stars-iters4": f"{P} --inject --loop_norm --state_noise 1 --stars_lambda 0.1 "
                                            "--stars_warmup 120 --stars_rows 4 --stars_iters 4",  # aimed at ρ itself
 }
+BASELINES = ("baseline", "baseline-2400")  # the fixed-depth baselines, one a number of steps
 QUICK = "--max_iters 4 --eval_interval 4 --eval_iters 1 --batch_size 4 --eval_loops 16 --dataset pydoc"
 DEPTHS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -77,7 +78,7 @@ def page(runs, args):
                                     (("norm_mean", ".3g"), ("fixed_point_residual", ".1e"), ("spectral_radius", ".2f")))
         lines.append(f"| {name} | " + " | ".join(cell(k) for k in ks) + " |")
     steps = lambda seeds: next(iter(seeds.values()))[1]["config"]["max_iters"]
-    base = {steps(seeds): seeds for name, seeds in runs.items() if name.startswith("baseline")}
+    base = {steps(runs[name]): runs[name] for name in BASELINES if name in runs}
     if base:  # the goal, seed by seed against the fixed-depth baseline of the same seed and number of steps
         lines.append("\n## The goal, seed by seed\n")
         lines.append("CE at K minus the fixed-depth baseline's at the same seed and number of steps (the cost at K; goal "
@@ -94,7 +95,7 @@ def page(runs, args):
         pts = [(ce_K(rep), rise(rep)) for _, rep in seeds.values() if rise(rep) is not None]
         if pts:
             ax.scatter(*zip(*pts), label=name, color=plt.get_cmap("tab20")(i % 20),
-                       marker="*" if name.startswith("baseline") else "o")
+                       marker="*" if name in BASELINES else "o")
     ax.axhline(0.01, color="gray", ls=":", lw=1)
     ax.set(xlabel="validation CE at the training depth K (nats/byte)", ylabel="worst CE at 16/32/64 − CE at K",
            title="the depth frontier: one point per recipe and seed (goal: bottom left)")
