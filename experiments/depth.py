@@ -12,6 +12,7 @@ The goal: CE at 16, 32 and 64 within 0.01 nats of CE at K, with CE at K within 0
 import study
 
 P = "config/depth_cpu.py"
+LONG = "--max_iters 2400 --eval_interval 2400"  # 4x the steps, evaluated once, at the end
 ROWS = {
     "baseline": f"{P} --loop_sampling fixed",                                  # fixed 4 loops
     "mean4": P,                                                                # depth ~ LogNormal, mean 4 loops
@@ -30,9 +31,9 @@ ROWS = {
     "inject-loopnorm-deep-from300": f"{P} --inject --loop_norm --loop_mu 2 --grad_loops 4 --loop_start 300",
     "deq16-inject-loopnorm": f"{P} --loop_sampling fixed --inject --loop_norm --n_loops 16 --grad_loops 4",  # DEQ-style
     # round 2: is the random start's cost at K a cost of 600 steps? (and the baseline at the same budget)
-    "baseline-2400": f"{P} --loop_sampling fixed --max_iters 2400",   # (a recipe of 2400 steps is held against this)
-    "inject-loopnorm-noise1-2400": f"{P} --inject --loop_norm --state_noise 1 --max_iters 2400",
-    "sandwich-2400": f"{P} --block_norm sandwich --max_iters 2400",                         # Paper B's block, longer
+    "baseline-2400": f"{P} --loop_sampling fixed {LONG}",        # a recipe of 2400 steps is held against this
+    "inject-loopnorm-noise1-2400": f"{P} --inject --loop_norm --state_noise 1 {LONG}",
+    "sandwich-2400": f"{P} --block_norm sandwich {LONG}",         # Paper B's block, given the steps to learn
     "inject-loopnorm-noise1-stars": f"{P} --inject --loop_norm --state_noise 1 --stars_lambda 0.1 --stars_warmup 120 "
                                     "--stars_rows 4",                                        # the random start + STARS
     "inject-loopnorm-noise1-half": f"{P} --inject --loop_norm --state_noise 1 --state_noise_frac 0.5",  # half from zero
