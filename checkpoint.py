@@ -134,6 +134,27 @@ def build_model(cfg, mcfg, device, ckpt):
 
 
 # ---------------------------------------------------------------- the out_dir
+def resume_settings(cfg, model_args, given, ckpt):
+    """On --init_from resume: the checkpoint's settings (cfg: train.py's TrainConfig), overridden by those given
+    on this command line; the settings that shape the weights cannot change."""
+    saved = {RENAMED.get(k) or k: v for k, v in ckpt["config"].items()}  # checkpoints of older versions
+    if ("loop_start" not in saved and saved.get("loop_sampling") != "poisson_lognormal") or (
+            "state_noise" not in ckpt["model_args"] and saved.get("loop_sampling") == "fixed"):
+        saved["grad_loops"] = 0  # older versions: only Huginn's sampler used it, then every sampler but fixed
+    saved_model = LoopLMConfig.from_dict(ckpt["model_args"])
+    names = {f.name for f in fields(cfg)}
+    cfg = type(cfg)(**{**{k: v for k, v in saved.items() if k in names}, **{k: getattr(cfg, k) for k in given if k in names},
+                         "init_from": "resume", "eval_only": cfg.eval_only, "out_dir": cfg.out_dir})
+    for k in ARCHITECTURE:  # these shape (or define) the weights: they cannot change on resume
+        if k in given and model_args[k] != getattr(saved_model, k):
+            raise UsageError(f"--{k} {model_args[k]} differs from the checkpoint's {getattr(saved_model, k)}; "
+                             "it cannot change on resume")
+    if "block_size" in given and model_args["block_size"] > saved_model.block_size:
+        raise UsageError(f"--block_size {model_args['block_size']} exceeds the checkpoint's "
+                         f"{saved_model.block_size}: its position embeddings end there")
+    return cfg, {**asdict(saved_model), **{k: model_args[k] for k in given if k in model_args}}
+
+
 def writable_out_dir(out_dir, rank=0):
     """Create out_dir and check that it takes a file now, not after hours of training. Returns whether
     it made the folder (unlock_out_dir removes it again if the run leaves nothing in it)."""

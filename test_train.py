@@ -165,9 +165,9 @@ def test_train_resume_keeps_the_recipe_of_an_older_checkpoint():
     # through every loop: resuming it must not switch truncated backprop on
     cfg, model_args, given = train.settings([])
     old = {"config": {"loop_sampling": "lognormal", "grad_loops": 4, "task": "lm"}, "model_args": {"n_embd": 512}}
-    assert train.resume_settings(cfg, model_args, given, old)[0].grad_loops == 0
+    assert checkpoint.resume_settings(cfg, model_args, given, old)[0].grad_loops == 0
     new = {"config": {**old["config"], "loop_start": 0}, "model_args": {"n_embd": 512}}
-    assert train.resume_settings(cfg, model_args, given, new)[0].grad_loops == 4
+    assert checkpoint.resume_settings(cfg, model_args, given, new)[0].grad_loops == 4
 
 
 def test_train_resume_needs_a_full_checkpoint(trained_run, train_data_args, tmp_path, capsys):

@@ -28,8 +28,8 @@ import checkpoint
 import data
 import report
 import stars
-from configurator import RENAMED, RunError, UsageError, check, command, interrupt, parse, setting
-from looplm import ARCHITECTURE, LoopLMConfig, token_norms
+from configurator import RunError, UsageError, check, command, interrupt, parse, setting
+from looplm import LoopLMConfig, token_norms
 
 
 # ---------------------------------------------------------------- settings
@@ -161,26 +161,6 @@ def setup_device(cfg):
         torch.set_num_threads(cfg.num_threads)
     ctx = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     return device, dtype, ctx, rank, world
-
-
-def resume_settings(cfg, model_args, given, ckpt):
-    """The checkpoint's settings, overridden by those given on this command line."""
-    saved = {RENAMED.get(k) or k: v for k, v in ckpt["config"].items()}  # checkpoints of older versions
-    if ("loop_start" not in saved and saved.get("loop_sampling") != "poisson_lognormal") or (
-            "state_noise" not in ckpt["model_args"] and saved.get("loop_sampling") == "fixed"):
-        saved["grad_loops"] = 0  # older versions: only Huginn's sampler used it, then every sampler but fixed
-    saved_model = LoopLMConfig.from_dict(ckpt["model_args"])
-    names = {f.name for f in fields(TrainConfig)}
-    cfg = TrainConfig(**{**{k: v for k, v in saved.items() if k in names}, **{k: getattr(cfg, k) for k in given if k in names},
-                         "init_from": "resume", "eval_only": cfg.eval_only, "out_dir": cfg.out_dir})
-    for k in ARCHITECTURE:  # these shape (or define) the weights: they cannot change on resume
-        if k in given and model_args[k] != getattr(saved_model, k):
-            raise UsageError(f"--{k} {model_args[k]} differs from the checkpoint's {getattr(saved_model, k)}; "
-                             "it cannot change on resume")
-    if "block_size" in given and model_args["block_size"] > saved_model.block_size:
-        raise UsageError(f"--block_size {model_args['block_size']} exceeds the checkpoint's "
-                         f"{saved_model.block_size}: its position embeddings end there")
-    return cfg, {**asdict(saved_model), **{k: model_args[k] for k in given if k in model_args}}
 
 
 def lr_at(cfg, it, max_iters):
@@ -411,7 +391,7 @@ def start(cfg, model_args, given):
         if not cfg.eval_only and "optimizer" not in ckpt:
             raise RunError(f"{ckpt_path} has no optimizer state: it can be evaluated (--eval_only) or sampled, not "
                            "resumed; train from scratch in another --out_dir")
-        cfg, model_args = resume_settings(cfg, model_args, given, ckpt)
+        cfg, model_args = checkpoint.resume_settings(cfg, model_args, given, ckpt)
     if cfg.init_from == "scratch" and not cfg.overwrite:
         checkpoint.guard_out_dir(cfg.out_dir, cfg.task, model_args)
     train_data, val_data, meta = data.load_task_data(cfg, model_args, ckpt)
