@@ -12,6 +12,7 @@ import json
 import math
 import os
 import time
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import numpy as np
@@ -161,8 +162,8 @@ def loop_map_rho(model, h0, k, states, mask=None, iters=40):
 @torch.no_grad()
 def evaluate_lm(model, val, cfg, K_eval, device, ctx):
     """Per loop k = 1..K_eval: CE/PPL, ‖H_k‖ stats (L2, per token), radial gradient fraction,
-    fixed-point residual, spectral radius of the loop map, clamp ΔCE, tokens/s at depth k (ρ and tokens/s
-    at k <= 8, at DEPTHS and at K_eval only, the clamp at k <= max(8, K); None elsewhere).
+    fixed-point residual, spectral radius of the loop map, clamp ΔCE, tokens/s at depth k (ρ at k <= 8, at
+    DEPTHS and at K_eval only, tokens/s at DEPTHS, K and K_eval, the clamp at k <= max(8, K); None elsewhere).
     Row k's "ce" is the early-exit curve: loop k's readout in the run at the trained depth K
     (readout(h, k, K), Paper A's protocol), and beyond K the model run at depth k. For final_norm,
     "ce_run_at_k" adds the model run at depth k (normalized at loop k). Same batches for every k."""
@@ -173,10 +174,11 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
     K_train, final_norm = model.config.n_loops, model.config.readout == "final_norm"
     K_clamp = min(K_eval, max(8, K_train))  # the clamp (a second pass) at the trained depths, not at all 64
     norms = [[] for _ in range(K_eval)]
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
         x, y = x.to(device), y.to(device)
         with ctx:
             states = model.loop_states(x, K_eval)
+            first = states if i == 0 else first
             clamped = model.loop_states(x, K_clamp, clamp=True)
             for k in range(1, K_eval + 1):
                 lk = lambda s, K: F.cross_entropy(model.readout(s[k - 1], k, K).float().flatten(0, 1), y.flatten())
@@ -189,10 +191,11 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
                 if k > 1:
                     res[k - 1] += fixed_point_residual(states[k - 2], states[k - 1]) / len(batches)
     x, y = batches[0][0].to(device), batches[0][1].to(device)
-    states = model.loop_states(x, K_eval)  # (the first batch again, in fp32: the radial fraction and ρ below)
+    # the first batch's states again for the radial fraction and ρ below: in fp32 (recomputed only under autocast)
+    states = first if isinstance(ctx, nullcontext) else model.loop_states(x, K_eval)
     h0 = model.embed(x[:4])
     rows = []
-    timed = lambda k: k <= 8 or k in DEPTHS or k == K_eval  # ρ and tokens/s (the costly ones) at these depths only
+    timed = lambda k: k <= 8 or k in DEPTHS or k == K_eval  # ρ (a costly one) at these depths only
     for k in range(1, K_eval + 1):
         s = norm_stats(torch.cat(norms[k - 1]))
         rho = loop_map_rho(model, h0, k, states, iters=10) if timed(k) else None  # ρ(∂H_k/∂H_{k-1}), 4 sequences
@@ -203,14 +206,16 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
                      "fixed_point_residual": res[k - 1] if k > 1 else None,
                      "spectral_radius": rho,
                      "clamp_delta_ce": ce_clamp[k - 1] - ce[k - 1] if k <= K_clamp else None,
-                     "tokens_per_s": depth_throughput(model, x, k, device, ctx) if timed(k) else None})
+                     "tokens_per_s": depth_throughput(model, x, k, device, ctx) if k in DEPTHS or k in (K_train, K_eval)
+                     else None})
     return rows, sum(len(n) for n in norms[0])
 
 
-def depth_throughput(model, x, k, device, ctx, reps=3):
-    """Inference tokens/s of a full forward at depth k (best of reps)."""
+def depth_throughput(model, x, k, device, ctx):
+    """Inference tokens/s of a full forward at depth k: the best of 3 timings to depth 8, one beyond (where a
+    forward lasts long enough for one timing, and three would cost the evaluation more than its CE pass)."""
     best = float("inf")
-    for _ in range(reps):
+    for _ in range(3 if k <= 8 else 1):
         sync(device)
         t0 = time.perf_counter()
         with ctx:

@@ -23,7 +23,7 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on():
 
     def run(norm, ppl1, ppl4, radial=1e-8, clamp=0.001):
         rows = [{"k": k, "ppl": ppl1 + (ppl4 - ppl1) * (k - 1) / 3, "norm_mean": norm, "radial_fraction": radial,
-                 "clamp_delta_ce": clamp} for k in (1, 2, 3, 4)]
+                 "clamp_delta_ce": clamp, "fixed_point_residual": 0.1 / norm} for k in (1, 2, 3, 4)]
         return {}, {"per_loop": rows}
     runs = {"norm-perloop": {1: run(900.0, 9.0, 9.0), 2: run(700.0, 9.0, 9.1), 3: run(5.0, 9.0, 9.0)},
             "raw-perloop": {1: run(7.0, 11.0, 8.5, 2e-2, 0.1), 2: run(8.0, 11.0, 9.5, 3e-2, 0.1),
@@ -33,6 +33,8 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on():
     assert "larger on 2 of 3 seeds" in drift  # seed 3: norm 5 < raw 9
     fix = next(line for line in lines if line.startswith("- `raw-perloop`"))
     assert "gains more from its loops on 3 of 3 seeds" in fix and "on 2 of 3." in fix  # seed 2 ends above norm
+    frozen = next(line for line in lines if line.startswith("- Lemma 2"))
+    assert "smaller for `norm` on 2 of 3 seeds" in frozen  # the step is 0.1 / scale: seed 3's norm run is the small one
     radial = next(line for line in lines if line.startswith("- Radial"))
     assert "1.0e-08 to 1.0e-08 for all 3 runs" in radial and "1.0e-02 to 3.0e-02 for the 3 `raw` runs" in radial
     assert not any("penalty" in line for line in lines)  # a claim whose rows did not run is left out

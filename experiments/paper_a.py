@@ -35,7 +35,8 @@ def page(runs, args):
     ppl = lambda k: lambda rep, _: rep["per_loop"][k - 1]["ppl"]
     cols = [("‖H_K‖ mean", lambda r, _: last(r)["norm_mean"], ".1f"), ("p99", lambda r, _: last(r)["norm_p99"], ".1f"),
             ("radial fraction", lambda r, _: last(r)["radial_fraction"], ".1e"),
-            *[(f"PPL K={k}", ppl(k), ".3f") for k in (1, 2, 3, 4)],
+            *[(f"PPL at loop {k}", ppl(k), ".3f") for k in (1, 2, 3, 4)],
+            ("step at loop 4", lambda r, _: r["per_loop"][3]["fixed_point_residual"], ".1e"),
             ("ΔPPL 1→4", lambda r, _: r["per_loop"][3]["ppl"] - r["per_loop"][0]["ppl"], "+.3f"),
             ("clamp ΔCE", lambda r, _: last(r)["clamp_delta_ce"], "+.4f"),
             ("drift exponent b", lambda r, m: drift_exponent(read_log(m["out_dir"])), "+.2f")]
@@ -44,7 +45,9 @@ def page(runs, args):
     lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
     lines.append("\nPer row the mean (min–max) over seeds. ‖H_K‖: per-token L2 norm at the last loop over the validation "
                  "bytes; PPL per byte, Paper A's early-exit curve (loop k read out in the 4-loop run); drift exponent b: "
-                 "the slope of log ‖H_K‖ against log step over the second half of training.\n")
+                 "the slope of log ‖H_K‖ against log step over the second half of training; step at loop 4: "
+                 "‖H_4 − H_3‖ / ‖H_3‖ per token, averaged (`looplm.fixed_point_residual`), which bounds how far loop 4 "
+                 "turns the state's direction (Lemma 2).\n")
     lines.append("| run | seeds | " + " | ".join(c[0] for c in cols) + " |\n|---|---|" + "---|" * len(cols))
     for name, seeds in runs.items():
         lines.append(f"| {name} | {len(seeds)} | " + " | ".join(col(seeds, f, fmt) for _, f, fmt in cols) + " |")
@@ -86,6 +89,13 @@ def claims(runs):
         ratio = [at("norm-perloop", s)["norm_mean"] / at("norm-perloop-penalty", s)["norm_mean"] for s in seeds]
         out.append(f"- The norm penalty keeps the scale down: ‖H_K‖ {mr([at('norm-perloop-penalty', s)['norm_mean'] for s in seeds])}, "
                    f"{mr(ratio, '.0f')}x below `norm`; below it on {sum(r > 1 for r in ratio)} of {len(seeds)} seeds.")
+    seeds = both("norm-perloop", "raw-perloop")
+    if seeds:  # Lemma 2: a large scale freezes the loop (the step relative to the state shrinks as 1/scale)
+        step = lambda row, s: at(row, s)["fixed_point_residual"]
+        out.append(f"- Lemma 2, the frozen loop: loop 4's relative step ‖H_4 − H_3‖/‖H_3‖ is "
+                   f"{mr([step('norm-perloop', s) for s in seeds], '.1e')} for per-loop `norm`, "
+                   f"{mr([step('raw-perloop', s) for s in seeds], '.1e')} for `raw`; smaller for `norm` on "
+                   f"{sum(step('norm-perloop', s) < step('raw-perloop', s) for s in seeds)} of {len(seeds)} seeds.")
     blind = [at(r, s)["radial_fraction"] for r in runs if "raw" not in r for s in runs[r]]
     seen = [at(r, s)["radial_fraction"] for r in runs if "raw" in r for s in runs[r]]
     if blind and seen:
