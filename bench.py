@@ -4,6 +4,7 @@ bench.py: what a looped LM costs. K loops should cost K ordinary passes, and not
     python bench.py                       # CPU: the 44M shape and config/cpu_tiny.py's shape (minutes)
     python bench.py --quick --json        # smoke run: a small shape, seconds
     python bench.py --threads 1 --clock cpu   # on a shared machine: CPU seconds, blind to other processes
+    python bench.py --busy                # the thread default beside another run: OpenMP's spin count (minutes)
     python bench.py --device cuda --shape 44m --batch_size 64 [--compile]
 
 Per shape, every figure comes from one process, one batch (B, T) and one model config (terminal CE
@@ -374,6 +375,44 @@ def preset_runs(args):
     return out
 
 
+SPINS = ("300000", "3000", "0")  # GOMP_SPINCOUNT: libgomp's default, train.py's, none
+
+
+def busy_runs(args):
+    """--busy: does a run collapse on a shared machine? Wall seconds of N steps of config/cpu_tiny.py (train.py, no
+    evaluation) with torch's default threads at each OpenMP spin count (SPINS) and on one thread, alone and then
+    beside another run of it on one thread. OpenMP's threads spin while they wait for work; with the cores taken,
+    the spinning takes them from the other run."""
+    import tempfile
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
+
+    def train(tmp, name, threads, spins, steps):
+        argv = ["config/cpu_tiny.py", "--max_iters", str(steps), "--eval_interval", "1000000", "--sample_tokens", "0",
+                "--num_threads", str(threads), "--out_dir", os.path.join(tmp, name), "--cache_dir", os.path.join(tmp, "c")]
+        return subprocess.Popen([sys.executable, "train.py", *argv], cwd=here, env={**env, "GOMP_SPINCOUNT": spins},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def wall(tmp, name, threads, spins):
+        t0, p = time.perf_counter(), train(tmp, name, threads, spins, args.busy_iters)
+        if p.wait():
+            raise RunError(f"--busy: train.py failed: {(p.stderr.read().strip().splitlines() or ['?'])[-1]}")
+        return time.perf_counter() - t0
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        wall(tmp, "warm", 1, SPINS[1])  # the token cache, once
+        for where in ("alone", "beside a 1-thread run"):
+            other = train(tmp, "other", 1, SPINS[1], 10**6) if where != "alone" else None
+            time.sleep(5 if other else 0)  # (its start-up)
+            for spins in SPINS:
+                out[f"{where}, default threads, GOMP_SPINCOUNT {spins}"] = wall(tmp, f"d{spins}{bool(other)}", 0, spins)
+            out[f"{where}, 1 thread"] = wall(tmp, f"one{bool(other)}", 1, SPINS[1])
+            if other:
+                other.kill()
+                other.wait()
+    return out
+
+
 @dataclass
 class BenchConfig:
     """benchmark (bench.py)"""
@@ -411,6 +450,9 @@ class BenchConfig:
     preset_iters: int = setting(100, "--presets: training steps of each short run", lo=1, hi=100_000)
     data_dir: str = setting("", "--presets: a folder of WikiText-2 files for the presets that train on it (else the hub)")
     presets_repo: str = setting("", "--presets: run the train.py of this checkout (an older commit, say) instead of this one's")
+    busy: bool = setting(False, "N steps of config/cpu_tiny.py alone and beside another run, at each OpenMP spin count "
+                                "(busy_runs): does the thread default collapse on a shared machine?")
+    busy_iters: int = setting(50, "--busy: training steps of each run", lo=1, hi=100_000)
     _memory: str = setting("", None)  # internal: the CPU memory child
 
 
@@ -449,6 +491,9 @@ def main(argv=None):
                 else (lambda v: f"{100 * v:.1f}%")
             print(f"| {key} | " + " | ".join(fmt(res[n][key]) for n in names) + " |")
         return 0
+    if args.busy:
+        res = busy_runs(args)
+        return print(json.dumps(res, indent=1) if args.json else "\n".join(f"{k:<56} {v:6.1f} s" for k, v in res.items()))
     if args._memory:
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: allocations over 1 MiB get their own map
         shape = json.loads(args._memory)

@@ -207,6 +207,7 @@ class LoopLM(nn.Module):
             self.ln_loop = Norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embedding and LM head
+        self.noise_scale = 1.0  # state_noise's multiplier: train.py --state_noise_anneal lowers it over the run
         if config.init != "pytorch":
             self.apply(self._init_weights)
 
@@ -272,7 +273,7 @@ class LoopLM(nn.Module):
         h0 = self.embed(idx)
         h, states = h0, []
         if self.config.state_noise > 0 and self.training:  # Huginn's random start: loop 1 sees noise + H_0
-            noise = torch.randn_like(h0) * rms(h0.detach()) * self.config.state_noise
+            noise = torch.randn_like(h0) * rms(h0.detach()) * (self.config.state_noise * self.noise_scale)
             # on the last round-half-up(frac·B) sequences (the batch is random; --stars_rows penalizes the first ones)
             noise[:len(noise) - int(self.config.state_noise_frac * len(noise) + 0.5)] = 0
             h = h0 + noise

@@ -48,6 +48,14 @@ def test_bench_reports_every_figure():
 
 
 
+@pytest.mark.slow
+def test_bench_busy_times_each_spin_count_alone_and_beside_another_run(tmp_path):
+    res = bench.busy_runs(bench.parse_args(["--busy", "--busy_iters", "1"]))
+    spins = [f"default threads, GOMP_SPINCOUNT {s}" for s in bench.SPINS] + ["1 thread"]
+    assert list(res) == [f"{w}, {s}" for w in ("alone", "beside a 1-thread run") for s in spins]
+    assert all(0 < v < 120 for v in res.values()), res
+
+
 def test_bench_options_are_checked_with_one_line(capsys):
     for argv, msg in ((["--shape", "huge"], "--shape 'huge' is unknown"), (["--reps", "0"], "--reps 0 is invalid"),
                       (["--mem_loops", "4,,8"], "--mem_loops '4,,8' is invalid"), (["--warmup", "nan"], "expects int"),

@@ -79,6 +79,10 @@ def test_state_noise_is_a_random_start_in_training_only():
     torch.manual_seed(5)
     H1h = half.loop_states(idx, 1)[0]
     assert len(idx) == 3 and torch.allclose(H1h[1:], H1[1:], atol=1e-6) and torch.allclose(H1h[:1], stack(h0)[:1], atol=1e-5)
+    # noise_scale (train.py --state_noise_anneal sets it to 1 − step/max_iters) multiplies the same draw
+    m.noise_scale = 0.25
+    torch.manual_seed(5)
+    assert torch.allclose(m.loop_states(idx, 1)[0], stack(0.25 * noise + h0), atol=1e-5)
 
 
 def test_runs_beyond_training_depth_and_state_count():

@@ -41,6 +41,14 @@ def test_train_stars_rows_puts_the_penalty_on_that_many_sequences(train_data_arg
         assert seen == [want, want], (rows, seen)  # steps 2 and 3: after the warm-up
         assert all("jv_norm" in r for r in train_losses(tmp_path / rows)[1:])
 
+def test_train_state_noise_anneal_scales_the_noise_by_one_minus_the_run_done(train_data_args, tmp_path, monkeypatch):
+    scales, real = [], stars.training_loss
+    monkeypatch.setattr(stars, "training_loss", lambda model, *a: scales.append(model.noise_scale) or real(model, *a))
+    argv = ["--inject", "--state_noise", "0.5", "--state_noise_anneal", "--max_iters", "4", "--eval_interval", "4"]
+    assert run_train(TRAIN_TINY + train_data_args + argv + ["--out_dir", tmp_path / "run"]) == 0
+    assert scales == [1.0, 0.75, 0.5, 0.25]
+
+
 def test_train_logs_jv_norm_as_the_mean_over_micro_batches(train_data_args, tmp_path, monkeypatch):
     means, real = [], stars.jsrr_penalty
     def recorded(f, h, **kw):
@@ -406,6 +414,7 @@ TRAIN_BAD_INPUTS = {
     "digits out of range": (["--task", "addition", "--digits", "9"], 2, "--digits 9 is invalid; it must be >= 2 and <= 8"),
     "config file missing": (["config/nope.py"], 2, "config file config/nope.py not found"),
     "bad device": (["--device", "gpu0"], 2, "--device 'gpu0' is invalid"),
+    "anneal without noise": (["--state_noise_anneal"], 2, "--state_noise_anneal needs --state_noise"),
 }
 
 if not torch.cuda.is_available():

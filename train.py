@@ -22,9 +22,8 @@ from contextlib import nullcontext, suppress
 from types import SimpleNamespace
 from dataclasses import asdict, dataclass, fields
 
-# OpenMP's idle threads spin 300,000 times (libgomp's default) before they sleep. With another process on the
-# cores, that spinning takes them from it: 50 steps of cpu_tiny on 2 threads took 132 s beside a 1-thread run,
-# against 19 s alone. At 3,000 spins the run alone is as fast (19 s) and beside another takes 39 s (1 thread: 34 s).
+# OpenMP's idle threads spin 300,000 times (libgomp's default) before they sleep, taking the cores from any other
+# process: a run on a busy machine collapses. 3,000 spins keep a run alone as fast (`python bench.py --busy`).
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # (read when torch loads OpenMP: before `import torch`)
 import torch  # noqa: E402
 
@@ -108,6 +107,8 @@ class TrainConfig:
     stars_supervised: bool = setting(False, "the STARS penalty at supervised positions only (Paper B: every position)")
     stars_deep: int = setting(0, "the STARS penalty at loop N's state, reached without gradient from the sampled depth "
                                  "(0: at the sampled depth, as Paper B)", lo=0, hi=100_000)
+    state_noise_anneal: bool = setting(False, "Huginn's random start, annealed: state_noise times 1 − step/max_iters, "
+                                              "from the full noise at step 0 to none at the end")
     checkpoint_loops: bool = setting(False, "activation checkpointing per loop (the step and, with per-loop CE, the "
                                             "readout): training memory flat in the depth")
     # evaluation
@@ -132,6 +133,8 @@ def settings(argv):
     if cfg.zero_digits_steps and cfg.task != "addition":
         raise UsageError(f"--zero_digits_steps {cfg.zero_digits_steps} is a curriculum of the addition task; "
                          "use it with --task addition")
+    if cfg.state_noise_anneal and not model_args["state_noise"]:
+        raise UsageError("--state_noise_anneal needs --state_noise (with --inject): it anneals that noise")
     if cfg.eval_only and cfg.init_from != "resume":
         raise UsageError("--eval_only needs --init_from resume (and a checkpoint in --out_dir)")
     if cfg.device != "auto":
@@ -226,6 +229,8 @@ def train(cfg, run, model, optimizer):
             lr = lr_at(cfg, it, run.max_iters)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            if cfg.state_noise_anneal:
+                model.noise_scale = 1 - it / run.max_iters
             g_depth, g_batch, g_penalty = step_streams(cfg, it, run.rank, run.device)
             n_loops, grad_loops = stars.training_depth(cfg, it, model.config.n_loops, g_depth)
             lam = stars.lambda_at(it, cfg.stars_lambda, cfg.stars_warmup)

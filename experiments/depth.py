@@ -39,6 +39,7 @@ ROWS = {
     "inject-loopnorm-noise1-half": f"{P} --inject --loop_norm --state_noise 1 --state_noise_frac 0.5",  # half from zero
     "inject-loopnorm-noise1-stars-iters4": f"{P} --inject --loop_norm --state_noise 1 --stars_lambda 0.1 "
                                            "--stars_warmup 120 --stars_rows 4 --stars_iters 4",  # aimed at ρ itself
+    "inject-loopnorm-noise1-anneal": f"{P} --inject --loop_norm --state_noise 1 --state_noise_anneal",  # 1 down to 0
 }
 BASELINES = ("baseline", "baseline-2400")  # the fixed-depth baselines, one a number of steps
 QUICK = "--max_iters 4 --eval_interval 4 --eval_iters 1 --batch_size 4 --eval_loops 16 --dataset pydoc"

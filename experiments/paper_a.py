@@ -33,7 +33,8 @@ def page(runs, args):
     col = lambda seeds, f, fmt: mr([f(rep, meta) for meta, rep in seeds.values()], fmt)
     last = lambda rep: rep["per_loop"][-1]
     ppl = lambda k: lambda rep, _: rep["per_loop"][k - 1]["ppl"]
-    cols = [("‖H_K‖ mean", lambda r, _: last(r)["norm_mean"], ".1f"), ("p99", lambda r, _: last(r)["norm_p99"], ".1f"),
+    cols = [("‖H_1‖ mean", lambda r, _: r["per_loop"][0]["norm_mean"], ".1f"),
+            ("‖H_K‖ mean", lambda r, _: last(r)["norm_mean"], ".1f"), ("p99", lambda r, _: last(r)["norm_p99"], ".1f"),
             ("radial fraction", lambda r, _: last(r)["radial_fraction"], ".1e"),
             *[(f"PPL at loop {k}", ppl(k), ".3f") for k in (1, 2, 3, 4)],
             ("step at loop 4", lambda r, _: r["per_loop"][3]["fixed_point_residual"], ".1e"),
@@ -43,8 +44,8 @@ def page(runs, args):
     lines = ["# Paper A at CPU scale: the readout blind spot\n", study.provenance(runs, args),
              "\nRecipes (`python train.py` options; each run adds `--seed S`):\n"]
     lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
-    lines.append("\nPer row the mean (min–max) over seeds. ‖H_K‖: per-token L2 norm at the last loop over the validation "
-                 "bytes; PPL per byte, Paper A's early-exit curve (loop k read out in the 4-loop run); drift exponent b: "
+    lines.append("\nPer row the mean (min–max) over seeds. ‖H_1‖, ‖H_K‖: per-token L2 norm at the first and the last "
+                 "loop over the validation bytes; PPL per byte, Paper A's early-exit curve (loop k read out in the 4-loop run); drift exponent b: "
                  "the slope of log ‖H_K‖ against log step over the second half of training; step at loop 4: "
                  "‖H_4 − H_3‖ / ‖H_3‖ per token, averaged (`looplm.fixed_point_residual`), which bounds how far loop 4 "
                  "turns the state's direction (Lemma 2).\n")
@@ -58,7 +59,7 @@ def page(runs, args):
     for name, seeds in runs.items():
         ks = [r["k"] for r in next(iter(seeds.values()))[1]["per_loop"]]
         mean = lambda key: [sum(rep["per_loop"][k - 1][key] for _, rep in seeds.values()) / len(seeds) for k in ks]
-        ax[0].plot(ks, mean("ppl"), "o-", label=name)
+        ax[0].semilogy(ks, mean("ppl"), "o-", label=name)  # (log: the terminal rows' loop 1 is in the thousands)
         ax[1].semilogy(ks, mean("norm_mean"), "o-", label=name)
     ax[0].set(xlabel="loop k", ylabel="validation PPL (seed mean)")
     ax[1].set(xlabel="loop k", ylabel="mean per-token ‖H_k‖₂ (seed mean)")
@@ -116,7 +117,8 @@ def claims(runs):
              for s in runs[r]]
     if clamp:
         out.append(f"- Scale clamp: ΔCE {min(clamp):+.4f} to {max(clamp):+.4f} over the {len(clamp)} per-loop runs read out "
-                   "through RMSNorm without `loop_norm` (where it is 0 by construction) (Paper A: +0.0004 to +0.0055); "
+                   "through RMSNorm, `loop_norm` left out (with it the clamp is 0 by construction) (Paper A: +0.0004 to "
+                   "+0.0055); "
                    "`raw` reads the scale, so clamping it costs "
                    + mr([at(r, s)["clamp_delta_ce"] for r in runs if r.startswith("raw-perloop") for s in runs[r]], "+.4f") + ".")
     return out

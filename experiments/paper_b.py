@@ -1,8 +1,9 @@
 """
 Paper B (STARS) at CPU scale: 4-digit addition at every depth 1..100, each recipe on five seeds.
 
-    python experiments/paper_b.py                 # every row on seeds 1-5, two runs at once: the page paper_b.md
+    python experiments/paper_b.py                 # every row on seeds 1-5, two runs at once, and the page paper_b.md
     python experiments/paper_b.py --rows baseline --seeds 6,7   # more seeds of one row (the page then has them)
+    python experiments/paper_b.py --rows baseline,sampling,stars,no_curriculum   # the rows on paper_b.md
     python experiments/paper_b.py --device cuda --jobs 8        # on a GPU, eight runs at once
 
 The rows: config/addition_cpu.py (the fixed-4 baseline), Paper B's two ingredients on top of it (depth
