@@ -174,11 +174,12 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
     K_train, final_norm = model.config.n_loops, model.config.readout == "final_norm"
     K_clamp = min(K_eval, max(8, K_train))  # the clamp (a second pass) at the trained depths, not at all 64
     norms = [[] for _ in range(K_eval)]
-    for i, (x, y) in enumerate(batches):
+    first = None  # the first batch's states, kept for the radial fraction and ρ below
+    for x, y in batches:
         x, y = x.to(device), y.to(device)
         with ctx:
             states = model.loop_states(x, K_eval)
-            first = states if i == 0 else first
+            first = first or states
             clamped = model.loop_states(x, K_clamp, clamp=True)
             for k in range(1, K_eval + 1):
                 lk = lambda s, K: F.cross_entropy(model.readout(s[k - 1], k, K).float().flatten(0, 1), y.flatten())

@@ -22,9 +22,8 @@ from contextlib import nullcontext, suppress
 from types import SimpleNamespace
 from dataclasses import asdict, dataclass, fields
 
-# OpenMP's idle threads spin 300,000 times (libgomp's default) before they sleep, taking the cores from any other
-# process: a run on a busy machine collapses. 3,000 spins keep a run alone as fast (`python bench.py --busy`).
-os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # (read when torch loads OpenMP: before `import torch`)
+# idle OpenMP threads spin 300,000 times (libgomp) before sleeping, starving other processes (`bench.py --busy`)
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # read when torch loads OpenMP, so before `import torch`
 import torch  # noqa: E402
 
 import checkpoint
