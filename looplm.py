@@ -48,6 +48,8 @@ class LoopLMConfig:
     per_loop_ce: bool = setting(False, "train every loop's readout: mean_k CE_k (else CE_K only)")
     norm_penalty: float = setting(0.0, "Paper A's fix: loss += λ·mean_k mean(H_k²) (the paper: 0.01)", lo=0.0, hi=1e6)
     loop_norm: bool = setting(False, "RMSNorm the state on the recurrent path between loops (Ouro-style)")
+    loop_damping: float = setting(1.0, "α of a damped loop, H_k = H_{k-1} + α·(F(H_{k-1}) − H_{k-1}) for k ≥ 2 (1: the plain "
+                                  "loop)", above=0.0, hi=1.0)
     block_norm: str = setting("pre", "pre: x+f(N(x)) | post: N(x+f(x)) | sandwich: N'(x+f(N(x))), Paper B's",
                               choices=("pre", "post", "sandwich"))
     mlp: str = setting("swiglu", "SwiGLU (Paper A) or GELU (Paper B's addition model)", choices=("swiglu", "gelu"))
@@ -91,7 +93,7 @@ class LoopLMConfig:
 
 
 # the settings that shape the weights: a resumed run cannot change them, a new run of other values is another model
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "mlp", "mlp_hidden", "block_norm", "loop_norm", "norm", "bias")
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "mlp", "mlp_hidden", "block_norm", "loop_norm", "loop_damping", "norm", "bias")
 
 
 class RMSNorm(nn.Module):
@@ -243,13 +245,17 @@ class LoopLM(nn.Module):
         """One loop, H_k from H_{k-1}: the map whose Jacobian STARS regularizes. The state is
         carried into the loop (LoopLM.carry; the first loop takes H_0 as it is), h0 (the embedding)
         is added when config.inject is on, then the shared stack F runs. cache is a list of
-        per-layer dicts for this loop (KV cache, see sample.py)."""
+        per-layer dicts for this loop (KV cache, see sample.py). With loop_damping α < 1 the loop moves
+        only a fraction α of the way from H_{k-1} to F's output."""
+        prev = h
         if not first:  # the first loop takes H_0 as it is (no 2·H_0 when injecting)
             h = self.carry(h)
             if self.config.inject:
                 h = h + h0
         for i, block in enumerate(self.blocks):
             h = block(h, None if cache is None else cache[i])
+        if not first and self.config.loop_damping != 1.0:
+            h = prev + self.config.loop_damping * (h - prev)
         return h
 
     def carry(self, h):
@@ -259,13 +265,14 @@ class LoopLM(nn.Module):
         norm (normalizing it again at the readout would be a double normalization)."""
         return self.ln_loop(h) if self.config.loop_norm else h
 
-    def loop_states(self, idx, n_loops=None, clamp=False, grad_loops=None, checkpoint=False):
+    def loop_states(self, idx, n_loops=None, clamp=False, grad_loops=None, checkpoint=False, grad_first=0):
         """[H_1, ..., H_K], exactly what the readout sees.
 
         clamp: Paper A's scale clamp (a diagnostic for trained models): after every loop
             k >= 2 each token's state is rescaled to its loop-1 RMS, before it is decoded
             and before it is fed to the next loop.
-        grad_loops: truncated backprop (Huginn): only the last grad_loops loops get gradient.
+        grad_loops: truncated backprop (Huginn): only the last grad_loops loops get gradient,
+            and with grad_first the first grad_first loops too (the middle ones run without it).
         checkpoint: activation checkpointing per loop (memory ~ one loop instead of K)."""
         K = self.config.n_loops if n_loops is None else n_loops
         if K < 1:
@@ -278,7 +285,7 @@ class LoopLM(nn.Module):
             noise[:len(noise) - int(self.config.state_noise_frac * len(noise) + 0.5)] = 0
             h = h0 + noise
         for k in range(1, K + 1):
-            no_grad = grad_loops is not None and k <= K - grad_loops
+            no_grad = grad_loops is not None and grad_first < k <= K - grad_loops
             with torch.set_grad_enabled(torch.is_grad_enabled() and not no_grad):
                 if checkpoint and torch.is_grad_enabled():
                     h = torch.utils.checkpoint.checkpoint(self.step, h, h0, None, k == 1, use_reentrant=False)

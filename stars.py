@@ -195,12 +195,12 @@ class Penalty:
     generator: torch.Generator = None
 
 
-def training_loss(model, x, y, n_loops, grad_loops=None, penalty=None, checkpoint=False):
+def training_loss(model, x, y, n_loops, grad_loops=None, penalty=None, checkpoint=False, grad_first=0):
     """The loss of one training step at depth n_loops, as train.py and bench.py take it: Paper A's
     objective over the loop states (LoopLM.objective), and with a penalty (a Penalty, λ > 0) Paper B's
     (1 − λ)·task + λ·‖Jv‖² at the last state. Returns (loss, the loop states, ‖Jv‖ per penalized
-    sequence or None)."""
-    states = model.loop_states(x, n_loops, grad_loops=grad_loops, checkpoint=checkpoint)
+    sequence or None). grad_loops and grad_first: the loops with gradient (LoopLM.loop_states)."""
+    states = model.loop_states(x, n_loops, grad_loops=grad_loops, checkpoint=checkpoint, grad_first=grad_first)
     _, loss = model.objective(states, y, checkpoint)
     if penalty is None or penalty.lam <= 0:
         return loss, states, None

@@ -211,6 +211,25 @@ def test_truncated_backprop_and_checkpoint_gradients():
     assert not all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(full, m.parameters()))
 
 
+def test_grad_first_gives_the_first_and_last_loops_gradient_the_middle_none():
+    idx, _ = batch()
+    m = tiny().train()
+    flags = lambda **kw: [h.requires_grad for h in m.loop_states(idx, 6, grad_loops=2, **kw)]
+    assert flags() == [False, False, False, False, True, True]
+    assert flags(grad_first=2) == [True, True, False, False, True, True]
+
+
+def test_damped_loop_moves_a_fraction_alpha_of_the_plain_step():
+    idx, _ = batch()
+    plain, damped = tiny(), tiny(loop_damping=0.25)
+    damped.load_state_dict(plain.state_dict())
+    h1, h2, _ = plain.loop_states(idx, 3)
+    d1, d2, d3 = damped.loop_states(idx, 3)
+    assert torch.equal(h1, d1)  # loop 1 takes H_0 as it is: not damped
+    assert torch.allclose(d2, h1 + 0.25 * (h2 - h1), atol=1e-6)
+    assert torch.allclose(d3, d2 + 0.25 * (plain.step(d2, plain.embed(idx)) - d2), atol=1e-6)
+
+
 def test_diagnostics():
     s = norm_stats(torch.tensor([3.0, 4.0, 5.0, 100.0]))
     assert s["max"] == 100 and s["min"] == 3 and s["median"] == 4 and abs(s["mean"] - 28) < 1e-9

@@ -415,6 +415,8 @@ TRAIN_BAD_INPUTS = {
     "config file missing": (["config/nope.py"], 2, "config file config/nope.py not found"),
     "bad device": (["--device", "gpu0"], 2, "--device 'gpu0' is invalid"),
     "anneal without noise": (["--state_noise_anneal"], 2, "--state_noise_anneal needs --state_noise"),
+    "grad_first without grad_loops": (["--grad_first", "2"], 2, "--grad_first 2 needs --grad_loops"),
+    "damping out of range": (["--loop_damping", "0"], 2, "--loop_damping 0.0 is invalid"),
 }
 
 if not torch.cuda.is_available():

@@ -97,6 +97,8 @@ class TrainConfig:
                                  "task first; Paper B: 0)", lo=0, hi=10**12)
     grad_loops: int = setting(0, "truncated backprop, gradient through the last N loops only (0: every loop, as Paper B; "
                                  "Huginn: 8; fixed depth n_loops > N: a DEQ-style target)", lo=0, hi=100_000)
+    grad_first: int = setting(0, "with --grad_loops, the first N loops get gradient too: with per-loop CE their exits "
+                                 "are trained (a DEQ-style target mixed with early exits)", lo=0, hi=100_000)
     stars_lambda: float = setting(0.0, "STARS: weight of the Jacobian penalty (Paper B: 0.1; 0 = off)", lo=0.0, hi=1.0)
     stars_warmup: int = setting(2000, "steps before the STARS penalty is switched on", lo=0, hi=10**12)
     stars_mode: str = setting("vjp", "vjp: as Paper B's code | jvp: forward-mode AD", choices=stars.MODES)
@@ -134,6 +136,8 @@ def settings(argv):
                          "use it with --task addition")
     if cfg.state_noise_anneal and not model_args["state_noise"]:
         raise UsageError("--state_noise_anneal needs --state_noise (with --inject): it anneals that noise")
+    if cfg.grad_first and not cfg.grad_loops:
+        raise UsageError(f"--grad_first {cfg.grad_first} needs --grad_loops: without it every loop has gradient")
     if cfg.eval_only and cfg.init_from != "resume":
         raise UsageError("--eval_only needs --init_from resume (and a checkpoint in --out_dir)")
     if cfg.device != "auto":
@@ -239,7 +243,8 @@ def train(cfg, run, model, optimizer):
             for micro in range(cfg.gradient_accumulation_steps):
                 x, y = get_batch(cfg, run, g_batch, micro)
                 with run.ctx:
-                    loss, states, jv = stars.training_loss(model, x, y, n_loops, grad_loops, penalty, cfg.checkpoint_loops)
+                    loss, states, jv = stars.training_loss(model, x, y, n_loops, grad_loops, penalty, cfg.checkpoint_loops,
+                                                             cfg.grad_first)
                 (loss / cfg.gradient_accumulation_steps).backward()
                 logged[:2] += torch.stack([loss.detach().float(), token_norms(states[-1].detach()).mean()]) \
                     / cfg.gradient_accumulation_steps

@@ -40,6 +40,9 @@ ROWS = {
     "inject-loopnorm-noise1-stars-iters4": f"{P} --inject --loop_norm --state_noise 1 --stars_lambda 0.1 "
                                            "--stars_warmup 120 --stars_rows 4 --stars_iters 4",  # aimed at ρ itself
     "inject-loopnorm-noise1-anneal": f"{P} --inject --loop_norm --state_noise 1 --state_noise_anneal",  # 1 down to 0
+    "deq16-exits4-inject-loopnorm": f"{P} --loop_sampling fixed --inject --loop_norm --n_loops 16 --grad_loops 4 "
+                                    "--grad_first 4",                    # the DEQ-style target and trained early exits
+    "damp0.5-mean4": f"{P} --loop_damping 0.5",                          # each loop half of F's step
 }
 BASELINES = ("baseline", "baseline-2400")  # the fixed-depth baselines, one a number of steps
 QUICK = "--max_iters 4 --eval_interval 4 --eval_iters 1 --batch_size 4 --eval_loops 16 --dataset pydoc"
