@@ -40,6 +40,22 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on():
     assert not any("penalty" in line for line in lines)  # a claim whose rows did not run is left out
 
 
+def test_depth_goal_pairs_each_seed_with_its_baseline_and_finds_the_frontier():
+    import depth
+
+    def run(ce4, ce64, steps=600):  # CE at 16 and 32 equal to CE at 4: the rise is CE at 64 - CE at 4
+        ce = {k: ce4 if k < 64 else ce64 for k in range(1, 65)}
+        return {}, {"config": {"n_loops": 4, "max_iters": steps}, "per_loop": [{"ce": ce[k]} for k in range(1, 65)]}
+    runs = {"baseline": {1: run(2.0, 2.6), 2: run(2.1, 2.6)},
+            "flat": {1: run(2.3, 2.305), 2: run(2.1, 2.105)},       # cost +0.3 / 0: meets the goal on seed 2 only
+            "worse": {1: run(2.4, 2.5), 2: run(2.4, 2.5)}}          # beaten by flat on both
+    lines = depth.goal(runs)
+    assert "- `flat`: cost at K +0.150 (+0.000–+0.300), rise +0.005 (+0.005–+0.005); meets the goal on 1 of 2 seeds" in lines
+    front = next(line for line in lines if line.lstrip().startswith("The frontier"))
+    assert "`baseline` (cost +0.000, rise +0.550)" in front and "`flat`" in front and "worse" not in front
+    assert lines[-1].endswith("`flat`, 0.130 nats away.")  # 0.15 - 0.02 over the cost bound, the rise within
+
+
 @pytest.mark.slow
 def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(tmp_path):
     cmd = [sys.executable, "experiments/paper_b.py", "--quick", "--out", str(tmp_path), "--runs", str(tmp_path / "runs")]
