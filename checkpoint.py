@@ -7,6 +7,7 @@ import fcntl
 import json
 import math
 import os
+import sys
 from contextlib import suppress
 from dataclasses import asdict, fields
 
@@ -71,7 +72,7 @@ def check_checkpoint(ckpt, path):
         if k not in args and not (k == "n_loops" and "n_loop" in args):
             raise bad(f"model_args lacks {k}")
     try:
-        mcfg = LoopLMConfig.from_dict(args)
+        mcfg = model_config(args)
     except UsageError as e:  # a wrong type or value: "--n_embd expects int, got '32'"
         raise bad("model_args." + str(e).removeprefix("--")) from None
     with torch.device("meta"):  # the shapes that model_args make, none allocated
@@ -99,8 +100,19 @@ def check_checkpoint(ckpt, path):
         raise bad("config lacks digits (an addition run's)")
 
 
+def model_config(args):
+    """A checkpoint's model_args as a LoopLMConfig, checkpoints of older versions included: n_loop was renamed
+    n_loops; before the init setting every model had nanoGPT's init; before the norm setting an injecting
+    model added H_0 at loop 1 too (2·H_0), which loop 1 no longer does (LoopLM.step)."""
+    args = {("n_loops" if k == "n_loop" else k): v for k, v in args.items()}
+    args.setdefault("init", "nanogpt")
+    if "norm" not in args and args.get("inject"):
+        print("note: this inject checkpoint was trained when loop 1 took 2·H_0; it now takes H_0 (LoopLM.step), "
+              "so it runs a slightly different function", file=sys.stderr)
+    return LoopLMConfig.from_dict(args)
+
 def model_from_checkpoint(ckpt, device="cpu"):
-    model = LoopLM(LoopLMConfig.from_dict(ckpt["model_args"]))
+    model = LoopLM(model_config(ckpt["model_args"]))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval()
 
@@ -141,7 +153,7 @@ def resume_settings(cfg, model_args, given, ckpt):
     if ("loop_start" not in saved and saved.get("loop_sampling") != "poisson_lognormal") or (
             "state_noise" not in ckpt["model_args"] and saved.get("loop_sampling") == "fixed"):
         saved["grad_loops"] = 0  # older versions: only Huginn's sampler used it, then every sampler but fixed
-    saved_model = LoopLMConfig.from_dict(ckpt["model_args"])
+    saved_model = model_config(ckpt["model_args"])
     names = {f.name for f in fields(cfg)}
     cfg = type(cfg)(**{**{k: v for k, v in saved.items() if k in names}, **{k: getattr(cfg, k) for k in given if k in names},
                          "init_from": "resume", "eval_only": cfg.eval_only, "out_dir": cfg.out_dir})
@@ -217,7 +229,7 @@ def guard_out_dir(out_dir, task, model_args):
             continue
         try:
             old = load_checkpoint(path)
-            saved = asdict(LoopLMConfig.from_dict(old["model_args"]))
+            saved = asdict(model_config(old["model_args"]))
             diff = [f"{k} {saved[k]}" for k in ARCHITECTURE if saved[k] != model_args[k]]
             if old["config"].get("task", "lm") != task:
                 diff.append(f"task {old['config'].get('task', 'lm')}")

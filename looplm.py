@@ -22,7 +22,6 @@ Language Models", STARS (Yang et al., ICML 2026, arXiv 2605.26733). Its block no
 placement (pre | post | sandwich) is in Block; its Jacobian penalty and loop sampling in stars.py.
 """
 import math
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
@@ -81,13 +80,7 @@ class LoopLMConfig:
 
     @classmethod
     def from_dict(cls, d):
-        """Build from a dict (a checkpoint's, say), ignoring keys this version does not know.
-        Checkpoints written before the rename of n_loop to n_loops load too."""
-        d = {("n_loops" if k == "n_loop" else k): v for k, v in d.items()}
-        d.setdefault("init", "nanogpt")  # checkpoints from before the init setting were made with nanoGPT's
-        if "norm" not in d and d.get("inject"):  # older versions added H_0 at loop 1 too (2·H_0)
-            print("note: this inject checkpoint was trained when loop 1 took 2·H_0; it now takes H_0 (LoopLM.step), "
-                  "so it runs a slightly different function", file=sys.stderr)
+        """Build from a dict (a checkpoint's model_args: checkpoint.model_config), ignoring unknown keys."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 

@@ -150,7 +150,9 @@ def public_addition_accuracy(model, x, y, n_loops, device):
 
 def loop_map_rho(model, h0, k, states, mask=None, iters=40):
     """ρ of ∂H_k/∂H_{k-1}, the loop map at loop k's input (H_0 for loop 1), by power iteration;
-    with mask (batch, T), restricted to those positions (stars.spectral_radius)."""
+    with mask (batch, T), restricted to those positions (stars.spectral_radius). Loop 1's is often
+    far above 1 and says nothing of stability: a pre-norm branch reads N(H_0), whose derivative scales
+    as 1/rms(H_0), and the embedding is small; a fixed point's stability is ρ at the deep loops."""
     h0 = h0.detach()
     with torch.enable_grad():
         if k == 1:

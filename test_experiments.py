@@ -56,6 +56,23 @@ def test_depth_goal_pairs_each_seed_with_its_baseline_and_finds_the_frontier():
     assert lines[-1].endswith("`flat`, 0.130 nats away.")  # 0.15 - 0.02 over the cost bound, the rise within
 
 
+
+def test_depth_page_shows_the_runs_and_names_the_rows_not_run(tmp_path):
+    import argparse
+    import depth
+
+    def run(ce4, seed):
+        rows = [{"ce": ce4 + 0.01 * (k > 4), "norm_mean": 10.0, "fixed_point_residual": 1e-3, "spectral_radius": 0.9}
+                for k in range(1, 65)]
+        meta = {"commit": "abc1234", "machine": "test", "wall_s": 60.0, "date": "2026-12-03T00:00:00"}
+        return meta, {"config": {"n_loops": 4, "max_iters": 600}, "per_loop": rows}
+    runs = {"baseline": {1: run(2.0, 1), 2: run(2.2, 2)}}
+    args = argparse.Namespace(study="depth", out=str(tmp_path), quick=False, jobs=2, threads=1, device="cpu")
+    text, pngs = depth.page(runs, args)
+    assert "| 2.100 (2.000–2.200) |" in text and "| +0.010 (+0.010–+0.010) |" in text
+    not_run = next(line for line in text.splitlines() if line.startswith("Rows of the script not run"))
+    assert "`mean4`" in not_run and "`baseline`" not in not_run and (tmp_path / pngs[0]).stat().st_size > 0
+
 @pytest.mark.slow
 def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(tmp_path):
     cmd = [sys.executable, "experiments/paper_b.py", "--quick", "--out", str(tmp_path), "--runs", str(tmp_path / "runs")]

@@ -200,11 +200,18 @@ def get_batch(cfg, run, g, micro):
 
 # ---------------------------------------------------------------- the training loop
 def step_streams(cfg, it, rank, device):
-    """The random streams of training step `it`, each a pure function of (seed, step, rank), so that a resumed run
-    replays the uninterrupted one exactly. Dropout: torch's global generator, seeded here. The depth: a generator
-    of (seed, step) alone, so every rank runs the same depth. The batches: that same generator, drawing on, on rank
-    0; one of (seed + 7919·rank, step) on the others. The STARS penalty's random direction: the batches' generator
-    on CPU; a device generator of (seed, step, rank) on a GPU. Returns (depth, batch, penalty) generators."""
+    """The random streams of training step `it`. Each is a pure function of (seed, step, rank), so a resumed run
+    replays the uninterrupted one exactly:
+
+        stream                     generator                               seeded by
+        dropout                    torch's global one                      seed·1,000,003 + 1009·step + rank
+        the depth (loops)          `depth`, the same on every rank         (seed, step)
+        the batch                  rank 0: `depth` again, after the depth  (seed, step)
+                                   rank r > 0: its own                     (seed + 7919·r, step)
+        STARS's direction v        CPU: the batch's; GPU: its own          (seed, step, rank)
+
+    So two runs of one seed draw the same batches only if they draw depths alike: a sampled-depth run and a
+    fixed-depth run see different batches (a seed is a seed of the whole run, not of its data)."""
     torch.manual_seed(cfg.seed * 1_000_003 + it * 1009 + rank)
     depth = stars.step_generator(cfg.seed, it)
     batch = stars.step_generator(cfg.seed + 7919 * rank, it) if rank else depth
@@ -304,9 +311,10 @@ def train(cfg, run, model, optimizer):
 
 class NonFiniteGuard:
     """A step whose loss or gradient norm is inf or NaN must not reach the weights, and the loop must not wait
-    on the device every step to find out. check() tells fused AdamW to skip the step's update on the device
-    (optimizer.found_inf, as under GradScaler) and keeps the first such step on the device (first: 0 if none);
-    the loop reads it with its logged numbers at the next log or eval step and stops there with error()."""
+    on the device every step to find out. check() sets optimizer.found_inf, the hook GradScaler uses: torch's
+    fused AdamW (configure_optimizers' choice on CPU and CUDA) reads it on the device and, where it is 1, leaves
+    the weights, the moments and the step count as they were. The first such step stays on the device (first:
+    0 if none); the loop reads it with its logged numbers at the next log or eval step, and stops with error()."""
 
     def __init__(self, device):
         self.first = torch.zeros((), dtype=torch.long, device=device)

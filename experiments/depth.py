@@ -102,6 +102,10 @@ def page(runs, args):
     lines = ["# Depth as a dial on text\n", study.provenance(runs, args),
              "\nRecipes (`python train.py` options; each run adds `--seed S`):\n"]
     lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
+    missing = [name for name in ROWS if name not in runs]
+    if missing and not args.quick:
+        lines.append("\nRows of the script not run for this page (`--rows NAME` runs one): "
+                     + ", ".join(f"`{n}`" for n in missing) + ".")
     lines.append("\n## CE (nats per byte) at each depth, and the worst rise past 4K: mean (min–max) over seeds\n")
     lines.append("| recipe | seeds | loops a step: all / with gradient | " + " | ".join(f"CE at {k}" for k in ks)
                  + " | rise: worst of 16/32/64 − CE_K |\n|---|---|---|" + "---|" * (len(ks) + 1))
@@ -110,7 +114,10 @@ def page(runs, args):
         lines.append(f"| {name} | {len(seeds)} | {training_loops(reps[0]['config'])} | "
                      + " | ".join(mr([r["per_loop"][k - 1]["ce"] for r in reps], ".3f") for k in ks)
                      + f" | {mr([rise(r) for r in reps], '+.3f')} |")
-    lines.append("\n## ‖H_k‖ / fixed-point residual / ρ of the loop map at each depth (seed mean)\n")
+    lines.append("\n## ‖H_k‖ / relative step / ρ of the loop map at each depth (seed mean)\n")
+    lines.append("Relative step: ‖H_k − H_{k−1}‖/‖H_{k−1}‖ (`looplm.fixed_point_residual`); ρ by power iteration at "
+                 "loop k's input (`report.loop_map_rho`). ρ at loop 1 is the map from the small embedding through "
+                 "pre-norm (often large: not a sign of instability); a settled loop has ρ < 1 and a small step.\n")
     lines.append("| recipe | " + " | ".join(f"at {k}" for k in ks) + " |\n|---|" + "---|" * len(ks))
     for name, seeds in runs.items():
         reps = [rep for _, rep in seeds.values()]

@@ -14,10 +14,10 @@ ROWS = {
     "norm-terminal": "config/ablation_cpu.py --readout norm --no_per_loop_ce",
     "raw-terminal": "config/ablation_cpu.py --readout raw --no_per_loop_ce",
     "norm-perloop": "config/ablation_cpu.py --readout norm --per_loop_ce",           # the failing baseline
-    "raw-perloop": "config/ablation_cpu.py --readout raw --per_loop_ce",             # fix 1: the scale visible
+    "raw-perloop": "config/ablation_cpu.py --readout raw --per_loop_ce",             # fix 1, the readout: raw
     "norm-perloop-penalty": "config/ablation_cpu.py --readout norm --per_loop_ce --norm_penalty 0.01",  # fix 2
-    "final_norm-perloop": "config/ablation_cpu.py --readout final_norm --per_loop_ce",
-    "norm-perloop-loop_norm": "config/ablation_cpu.py --readout norm --per_loop_ce --loop_norm",        # fix 3
+    "final_norm-perloop": "config/ablation_cpu.py --readout final_norm --per_loop_ce",            # fix 1, its variant
+    "norm-perloop-loop_norm": "config/ablation_cpu.py --readout norm --per_loop_ce --loop_norm",        # fix 3, loop_norm
     "norm-perloop-lr3e-4": "config/ablation_cpu.py --readout norm --per_loop_ce --learning_rate 3e-4",  # the paper's LR
     "nanogpt-norm-perloop": "config/ablation_cpu.py --readout norm --per_loop_ce --init nanogpt",       # another init
     "nanogpt-raw-perloop": "config/ablation_cpu.py --readout raw --per_loop_ce --init nanogpt",
