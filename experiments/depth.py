@@ -43,6 +43,8 @@ ROWS = {
     "deq16-exits4-inject-loopnorm": f"{P} --loop_sampling fixed --inject --loop_norm --n_loops 16 --grad_loops 4 "
                                     "--grad_first 4",                    # the DEQ-style target and trained early exits
     "damp0.5-mean4": f"{P} --loop_damping 0.5",                          # each loop half of F's step
+    "damp0.25-mean4": f"{P} --loop_damping 0.25",
+    "damp0.5-inject-loopnorm-noise1-mean4": f"{P} --loop_damping 0.5 --inject --loop_norm --state_noise 1",
 }
 BASELINES = ("baseline", "baseline-2400")  # the fixed-depth baselines, one a number of steps
 QUICK = "--max_iters 4 --eval_interval 4 --eval_iters 1 --batch_size 4 --eval_loops 16 --dataset pydoc"
