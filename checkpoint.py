@@ -100,6 +100,25 @@ def check_checkpoint(ckpt, path):
         raise bad("config lacks digits (an addition run's)")
 
 
+def make_ckpt(cfg, run, model, optimizer):
+    """What ckpt.pt holds: weights, optimizer state, both configs, the step, the best loss, the tokenizer."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "model_args": asdict(model.config),
+            "config": asdict(cfg), "iter_num": run.iter_num, "best_val_loss": run.best_val, "tokenizer": run.meta}
+
+
+def save_interrupted(cfg, run, model, optimizer):
+    """Ctrl-C: the state goes to ckpt.pt when every evaluation saves anyway; otherwise ckpt.pt holds
+    the best model, which an interrupted state must not replace, so it goes beside it. Returns the path."""
+    path = run.ckpt_path if cfg.always_save_checkpoint else os.path.join(cfg.out_dir, "interrupted.pt")
+    save_checkpoint(path, make_ckpt(cfg, run, model, optimizer))
+    adopt_log(run, "log.jsonl" if path == run.ckpt_path else "interrupted.log.jsonl")
+    hint = ("continue with --init_from resume" if path == run.ckpt_path else
+            f"{run.ckpt_path} keeps the best model; to continue from this state, move it over ckpt.pt (and "
+            "interrupted.log.jsonl, if there, over log.jsonl) and --init_from resume")
+    print(f"interrupted: saved step {run.iter_num} to {path}; {hint}", file=sys.stderr)
+    return path
+
+
 def model_config(args):
     """A checkpoint's model_args as a LoopLMConfig, checkpoints of older versions included: n_loop was renamed
     n_loops; before the init setting every model had nanoGPT's init; before the norm setting an injecting

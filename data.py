@@ -426,3 +426,18 @@ def addition_heldout(digits, n):
         if len(seen) >= n:
             return tuple(torch.cat(t)[:n] for t in zip(*parts))
     raise ValueError(f"only {len(seen)} held-out problems exist with {digits} digits; ask for fewer")
+
+
+def train_batch(cfg, run, g, micro):
+    """This micro-step's (x, y) on the device: addition problems, random windows, or Paper A's epochs."""
+    if cfg.task == "addition":
+        zeros = addition_zeros(run.iter_num, cfg.zero_digits_steps)  # the curriculum's easy problems, if on
+        x, y, _ = addition_batch(cfg.batch_size, cfg.digits, g, zeros=zeros)
+    elif cfg.window_stride:
+        index = (run.iter_num * cfg.gradient_accumulation_steps + micro) * run.world + run.rank
+        x, y = windows_batch(run.train_data, cfg.batch_size, run.block_size, cfg.window_stride, cfg.seed, index)
+    else:
+        x, y = get_batch(run.train_data, cfg.batch_size, run.block_size, g)
+    if "cuda" in run.device:  # page-locked: the copy runs asynchronously, the step does not wait for it
+        x, y = x.pin_memory(), y.pin_memory()
+    return x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)

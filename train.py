@@ -20,7 +20,7 @@ import sys
 import time
 from contextlib import nullcontext, suppress
 from types import SimpleNamespace
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 # idle OpenMP threads spin 300,000 times (libgomp) before sleeping, starving other processes (`bench.py --busy`)
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # read when torch loads OpenMP, so before `import torch`
@@ -183,35 +183,13 @@ def lr_at(cfg, it, max_iters):
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * frac)) * (cfg.learning_rate - cfg.min_lr)
 
 
-def get_batch(cfg, run, g, micro):
-    """This micro-step's (x, y) on the device: addition problems, random windows, or Paper A's epochs."""
-    if cfg.task == "addition":
-        zeros = data.addition_zeros(run.iter_num, cfg.zero_digits_steps)  # the curriculum's easy problems, if on
-        x, y, _ = data.addition_batch(cfg.batch_size, cfg.digits, g, zeros=zeros)
-    elif cfg.window_stride:
-        index = (run.iter_num * cfg.gradient_accumulation_steps + micro) * run.world + run.rank
-        x, y = data.windows_batch(run.train_data, cfg.batch_size, run.block_size, cfg.window_stride, cfg.seed, index)
-    else:
-        x, y = data.get_batch(run.train_data, cfg.batch_size, run.block_size, g)
-    if "cuda" in run.device:  # page-locked: the copy runs asynchronously, the step does not wait for it
-        x, y = x.pin_memory(), y.pin_memory()
-    return x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
-
-
 # ---------------------------------------------------------------- the training loop
 def step_streams(cfg, it, rank, device):
-    """The random streams of training step `it`. Each is a pure function of (seed, step, rank), so a resumed run
-    replays the uninterrupted one exactly:
-
-        stream                     generator                               seeded by
-        dropout                    torch's global one                      seed·1,000,003 + 1009·step + rank
-        the depth (loops)          `depth`, the same on every rank         (seed, step)
-        the batch                  rank 0: `depth` again, after the depth  (seed, step)
-                                   rank r > 0: its own                     (seed + 7919·r, step)
-        STARS's direction v        CPU: the batch's; GPU: its own          (seed, step, rank)
-
-    So two runs of one seed draw the same batches only if they draw depths alike: a sampled-depth run and a
-    fixed-depth run see different batches (a seed is a seed of the whole run, not of its data)."""
+    """The random streams of step `it`, each a pure function of (seed, step, rank), so a resumed run replays the
+    uninterrupted one exactly. Dropout: torch's global generator, seeded here. The depth: `depth`, of (seed, step),
+    the same on every rank. The batch: `depth` again on rank 0 (so runs of one seed share batches only if they draw
+    depths alike), one of (seed + 7919·rank, step) on the others. STARS's direction: the batch's generator on CPU,
+    a device one of (seed, step, rank) on a GPU. Returns (depth, batch, penalty) generators."""
     torch.manual_seed(cfg.seed * 1_000_003 + it * 1009 + rank)
     depth = stars.step_generator(cfg.seed, it)
     batch = stars.step_generator(cfg.seed + 7919 * rank, it) if rank else depth
@@ -248,7 +226,7 @@ def train(cfg, run, model, optimizer):
                                     cfg.stars_deep, g_penalty) if lam > 0 else None
             logged = torch.zeros(4, device=run.device)  # loss, mean ‖H_K‖, signalled, ‖Jv‖: read at log steps only
             for micro in range(cfg.gradient_accumulation_steps):
-                x, y = get_batch(cfg, run, g_batch, micro)
+                x, y = data.train_batch(cfg, run, g_batch, micro)
                 with run.ctx:
                     loss, states, jv = stars.training_loss(model, x, y, n_loops, grad_loops, penalty, cfg.checkpoint_loops,
                                                              cfg.grad_first)
@@ -301,7 +279,7 @@ def train(cfg, run, model, optimizer):
                 if guard.first.item():  # (skipped updates: the weights are clean, but say so rather than save)
                     raise guard.error(guard.first.item())
                 if run.master:
-                    save_interrupted(cfg, run, model, optimizer)
+                    SAVED["path"], SAVED["step"] = checkpoint.save_interrupted(cfg, run, model, optimizer), run.iter_num
                 return 128 + stop.get("sig", signal.SIGTERM)  # (a rank stopped by another rank's signal: 143)
     finally:
         for s, h in old_handlers.items():
@@ -355,11 +333,6 @@ def rank0_ok(run, ok):
 
 
 # ---------------------------------------------------------------- checkpoints, log, report
-def make_ckpt(cfg, run, model, optimizer):
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "model_args": asdict(model.config),
-            "config": asdict(cfg), "iter_num": run.iter_num, "best_val_loss": run.best_val, "tokenizer": run.meta}
-
-
 def evaluate_and_save(cfg, run, model, optimizer, stop):
     """Evaluate (a Ctrl-C interrupts it at once); save ckpt.pt if always_save_checkpoint or the validation
     loss improved (a Ctrl-C waits for the save); at the end, write report.json and the plots."""
@@ -368,29 +341,15 @@ def evaluate_and_save(cfg, run, model, optimizer, stop):
     stop["evaluating"] = True
     val_loss, rep = report.evaluate(model, cfg, run.val_data, run.device, run.ctx, final)
     stop["evaluating"] = False
-    rep["iter"] = run.iter_num
     checkpoint.append_log(run.log_path, {"iter": run.iter_num, "val_loss": val_loss})
-    improved = val_loss <= run.best_val
-    run.best_val = min(run.best_val, val_loss)
+    improved, run.best_val = val_loss <= run.best_val, min(run.best_val, val_loss)
     if cfg.always_save_checkpoint or improved:
-        checkpoint.save_checkpoint(run.ckpt_path, make_ckpt(cfg, run, model, optimizer))
+        checkpoint.save_checkpoint(run.ckpt_path, checkpoint.make_ckpt(cfg, run, model, optimizer))
         SAVED["path"], SAVED["step"] = run.ckpt_path, run.iter_num
         checkpoint.adopt_log(run)
     if final:
-        report.write_report(cfg.out_dir, rep)
+        report.write_report(cfg.out_dir, {**rep, "iter": run.iter_num})
 
-
-def save_interrupted(cfg, run, model, optimizer):
-    """Ctrl-C: the state goes to ckpt.pt when every evaluation saves anyway; otherwise ckpt.pt holds
-    the best model, which an interrupted state must not replace, so it goes beside it."""
-    path = run.ckpt_path if cfg.always_save_checkpoint else os.path.join(cfg.out_dir, "interrupted.pt")
-    checkpoint.save_checkpoint(path, make_ckpt(cfg, run, model, optimizer))
-    SAVED["path"], SAVED["step"] = path, run.iter_num
-    checkpoint.adopt_log(run, "log.jsonl" if path == run.ckpt_path else "interrupted.log.jsonl")
-    hint = ("continue with --init_from resume" if path == run.ckpt_path else
-            f"{run.ckpt_path} keeps the best model; to continue from this state, move it over ckpt.pt (and "
-            "interrupted.log.jsonl, if there, over log.jsonl) and --init_from resume")
-    print(f"interrupted: saved step {run.iter_num} to {path}; {hint}", file=sys.stderr)
 
 
 SAVED = {}  # the last checkpoint this process wrote or resumed from: what a Ctrl-C message points at
