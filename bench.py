@@ -329,7 +329,7 @@ PHASES = {  # where a run's time goes: cumulative seconds in these functions (cP
     "data": "data.load_task_data", "train steps": "train.train", "evaluation": "report.evaluate",
     "report and plots": "report.write_report", "sample": "sample.generate",
     "checkpoints": ("checkpoint.save_checkpoint", "report.save_checkpoint")}  # (report.py's before checkpoint.py)
-EVAL_PARTS = {  # inside the evaluation; what is left of it is CE, norms, residual, strict exact match
+EVAL_PARTS = {  # inside the evaluation; what is left of it is CE, norms, relative step, strict exact match
     "eval: radial fraction": "looplm.radial_fraction", "eval: ρ power iteration": "report.loop_map_rho",
     "eval: tokens/s": "report.depth_throughput", "eval: public addition protocol": "report.public_addition_accuracy"}
 
@@ -367,7 +367,7 @@ def preset_runs(args):
         sec["train steps"] -= cum.get("train.evaluate_and_save", 0.0)  # the evaluations and saves it makes
         sec["start-up"] = wall - sum(sec.values())                    # process start, imports, the model
         parts = {part: cum.get(fn, 0.0) for part, fn in EVAL_PARTS.items()}
-        sec["eval: CE, norms, residual, exact match"] = sec.pop("evaluation") - sum(parts.values())
+        sec["eval: CE, norms, relative step, exact match"] = sec.pop("evaluation") - sum(parts.values())
         sec.update(parts)
         steps = sec["train steps"]
         out[name] = {"wall_s": wall, "steps_per_s": args.preset_iters / steps if steps > 0 else float("nan"),

@@ -85,7 +85,7 @@ class LoopLMConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-# the settings that shape the weights: a resumed run cannot change them, a new run of other values is another model
+# the settings that shape or define what the weights compute: a resumed run cannot change them (another model)
 ARCHITECTURE = ("n_layer", "n_head", "n_embd", "mlp", "mlp_hidden", "block_norm", "loop_norm", "loop_damping", "norm", "bias")
 
 
@@ -404,6 +404,18 @@ def radial_fraction(model, h, targets, k, n_loops):
     return frac[keep].mean().item()
 
 
-def fixed_point_residual(h_prev, h):
+def relative_step(h_prev, h):
     """‖H_k − H_{k−1}‖ / ‖H_{k−1}‖ per token, averaged: → 0 when the loop settles on a fixed point."""
     return ((h - h_prev).float().norm(dim=-1) / h_prev.float().norm(dim=-1).clamp_min(1e-12)).mean().item()
+
+
+SCALES = (1 / 64, 1 / 16, 1 / 4, 1, 4, 16, 64)
+
+
+@torch.no_grad()
+def scale_probe(model, h_prev, h0, scales=SCALES):
+    """Paper A's Lemma 2, probed: one loop's relative step from its input H = H_{k-1} rescaled by s,
+    relative_step(s·H, step(s·H)), for each s. Pre-norm branches read only H's direction, so the update
+    step(s·H) − s·H barely changes with s and the relative step falls as 1/s (log-log slope −1): the larger
+    the state, the less a loop can turn it. (With loop_norm the next loop reads RMSNorm(s·H), whatever s.)"""
+    return [relative_step(s * h_prev, model.step(s * h_prev, h0)) for s in scales]

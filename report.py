@@ -1,5 +1,5 @@
 """
-report.py: what a run measures. The evaluation that fills report.json (per loop k: CE, ‖H_k‖, radial fraction, fixed-point residual,
+report.py: what a run measures. The evaluation that fills report.json (per loop k: CE, ‖H_k‖, radial fraction, relative step,
 spectral radius, clamp ΔCE, tokens/s; addition: exact match at every depth), the plots, and
 `train.py --compare`, which tables and overlays several runs.
 
@@ -23,7 +23,7 @@ import stars
 from checkpoint import read_log
 from configurator import RunError, UsageError
 from data import ADDITION_CHARS, addition_heldout, atomic_write_text, get_batch
-from looplm import fixed_point_residual, norm_stats, radial_fraction, token_norms
+from looplm import SCALES, norm_stats, radial_fraction, relative_step, scale_probe, token_norms
 
 
 # ---------------------------------------------------------------- evaluation
@@ -33,8 +33,6 @@ def curve_depth(model, k):
     one run, every loop a possible exit; final_norm is then raw before K); past K, the model run at depth k,
     its last loop. Only final_norm reads loop k differently in the two (ce_run_at_k gives the other)."""
     return max(k, model.config.n_loops)
-
-
 
 
 def evaluate(model, cfg, val_data, device, ctx, final=False):
@@ -56,6 +54,7 @@ def evaluate(model, cfg, val_data, device, ctx, final=False):
         rows, n_tok = evaluate_lm(model, val_data, cfg, K_eval, device, ctx)
         report["per_loop"], report["eval_tokens"] = rows, n_tok
         report["norm_convention"] = "per-token L2 norm ||H_k||_2 (RMS = L2/sqrt(n_embd))"
+        report["scale_probe_scales"] = list(SCALES)
         val_loss = float(rows[min(K, K_eval) - 1]["ce"])
         last = rows[-1]
         print("val CE by loop " + " ".join(f"K{r['k']}={r['ce']:.4f}" for r in rows)
@@ -105,7 +104,7 @@ def addition_eval(model, cfg, n_loops, device, final=True):
             if k == K:
                 right_K[i:i + 250] = (pred == yb).cpu()
             if k > 1:
-                res_sum[k - 1] += fixed_point_residual(states[k - 2][mask], h[mask]) * len(xb)
+                res_sum[k - 1] += relative_step(states[k - 2][mask], h[mask]) * len(xb)
     acc = {str(k): correct[k - 1].float().mean().item() for k in range(1, n_loops + 1)}
     resid = {str(k): res_sum[k - 1].item() / len(x) if k > 1 else None for k in range(1, n_loops + 1)}
     first = 2 * d + 1                                   # the target column of the space (the input's "=")
@@ -117,7 +116,7 @@ def addition_eval(model, cfg, n_loops, device, final=True):
             carry = (a % 10 ** j + b % 10 ** j) >= 10 ** j
             digits[f"digit{j}_carry"] = [right_K[~carry, first + 1 + j].float().mean().item(),
                                          right_K[carry, first + 1 + j].float().mean().item()]
-    out = {"accuracy": acc, "residual": resid, "answer_positions": digits}
+    out = {"accuracy": acc, "relative_step": resid, "answer_positions": digits}
     if not final:
         return out
     depths = [k for k in DEPTHS if k <= n_loops]
@@ -164,8 +163,9 @@ def loop_map_rho(model, h0, k, states, mask=None, iters=40):
 @torch.no_grad()
 def evaluate_lm(model, val, cfg, K_eval, device, ctx):
     """Per loop k = 1..K_eval: CE/PPL, ‖H_k‖ stats (L2, per token), radial gradient fraction,
-    fixed-point residual, spectral radius of the loop map, clamp ΔCE, tokens/s at depth k (ρ at k <= 8, at
-    DEPTHS and at K_eval only, tokens/s at DEPTHS, K and K_eval, the clamp at k <= max(8, K); None elsewhere).
+    relative step, spectral radius of the loop map, Lemma 2's scale probe (loop k's relative step from
+    s·H_{k-1}, s in looplm.SCALES), clamp ΔCE, tokens/s at depth k (ρ and the probe at k <= 8, at DEPTHS and
+    at K_eval only, tokens/s at DEPTHS, K and K_eval, the clamp at k <= max(8, K); None elsewhere).
     Row k's "ce" is the early-exit curve: loop k's readout in the run at the trained depth K
     (readout(h, k, K), Paper A's protocol), and beyond K the model run at depth k. For final_norm,
     "ce_run_at_k" adds the model run at depth k (normalized at loop k). Same batches for every k."""
@@ -192,7 +192,7 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
                     ce_clamp[k - 1] += lk(clamped, curve_depth(model, k)).item() / len(batches)
                 norms[k - 1].append(token_norms(states[k - 1]).cpu())
                 if k > 1:
-                    res[k - 1] += fixed_point_residual(states[k - 2], states[k - 1]) / len(batches)
+                    res[k - 1] += relative_step(states[k - 2], states[k - 1]) / len(batches)
     x, y = batches[0][0].to(device), batches[0][1].to(device)
     # the first batch's states again for the radial fraction and ρ below: in fp32 (recomputed only under autocast)
     states = first if isinstance(ctx, nullcontext) else model.loop_states(x, K_eval)
@@ -206,8 +206,9 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
                      **({"ce_run_at_k": ce_run[k - 1] if k < K_train else ce[k - 1]} if final_norm else {}),
                      **{f"norm_{n}": s[n] for n in ("mean", "median", "p99", "max", "std", "min")},
                      "radial_fraction": radial_fraction(model, states[k - 1], y, k, curve_depth(model, k)),
-                     "fixed_point_residual": res[k - 1] if k > 1 else None,
+                     "relative_step": res[k - 1] if k > 1 else None,
                      "spectral_radius": rho,
+                     "scale_probe": scale_probe(model, states[k - 2][:4], h0) if k > 1 and timed(k) else None,
                      "clamp_delta_ce": ce_clamp[k - 1] - ce[k - 1] if k <= K_clamp else None,
                      "tokens_per_s": depth_throughput(model, x, k, device, ctx) if k in DEPTHS or k in (K_train, K_eval)
                      else None})
@@ -345,16 +346,16 @@ def compare_runs(dirs, out):
         axes.append((fig, ax))
     if add:
         ks = [k for k in DEPTHS if all(str(k) in rep["addition"]["accuracy"] for rep, _ in runs.values())]
-        print("| run | " + " | ".join(f"K={k}" for k in ks) + " | ρ answer K=32 / 64 | ρ all K=32 / 64 | residual K=32 / 64 |\n|"
+        print("| run | " + " | ".join(f"K={k}" for k in ks) + " | ρ answer K=32 / 64 | ρ all K=32 / 64 | relative step K=32 / 64 |\n|"
               + "---|" * (len(ks) + 4))
         for name, (rep, _) in runs.items():
             a = rep["addition"]
             axes[0][1].plot([int(k) for k in a["accuracy"]], [100 * v for v in a["accuracy"].values()], label=name)
             pub = a.get("accuracy_public", {})  # strict | public (Paper B's protocol), in % at each depth
             cell = lambda k: f"{100 * a['accuracy'][str(k)]:.1f}" + (f" \\| {100 * pub[str(k)]:.0f}" if str(k) in pub else "")
-            pair = lambda d: " / ".join(na(d.get(k), ".3f" if d is not a["residual"] else ".1e") for k in ("32", "64"))
+            pair = lambda d: " / ".join(na(d.get(k), ".3f" if d is not a["relative_step"] else ".1e") for k in ("32", "64"))
             print(f"| {name} | " + " | ".join(cell(k) for k in ks) + f" | {pair(a.get('spectral_radius_answer', {}))} | "
-                  f"{pair(a.get('spectral_radius', a.get('rho', {})))} | {pair(a['residual'])} |")
+                  f"{pair(a.get('spectral_radius', a.get('rho', {})))} | {pair(a['relative_step'])} |")
         axes[0][1].set(xlabel="loops at inference", ylabel="exact match (%)", xscale="log")
     else:
         print("| run | ‖H_K‖ mean | p99 | max | radial fraction | PPL K=1 | K=2 | K=3 | K=4 | ΔPPL 1→4 | clamp ΔCE | "
@@ -386,7 +387,7 @@ def compare_runs(dirs, out):
 def depth_table(reports):
     """--compare of runs evaluated deeper than 8 loops (the depth study): validation CE at each depth of
     DEPTHS and its worst rise over CE at the trained depth K in those columns ≥ 4K (the goal: none), then
-    ‖H_k‖ mean / fixed-point residual / ρ at each depth; a plot of CE against loops (log x): (fig, ax)."""
+    ‖H_k‖ mean / relative step / ρ at each depth; a plot of CE against loops (log x): (fig, ax)."""
     import matplotlib.pyplot as plt
     n = min(len(rep["per_loop"]) for rep in reports.values())
     ks = [k for k in DEPTHS if k <= n]
@@ -397,9 +398,9 @@ def depth_table(reports):
         rise = max((rows[k - 1]["ce"] for k in ks if k >= 4 * K), default=None) if K <= n else None
         print(f"| {name} | {K} | {training_loops(rep['config'])} | " + " | ".join(f"{rows[k - 1]['ce']:.3f}" for k in ks)
               + f" | {na(None if rise is None else rise - rows[K - 1]['ce'], '+.3f')} |")
-    print("\n| run | " + " | ".join(f"‖H‖ / residual / ρ at K={k}" for k in ks) + " |\n|" + "---|" * (len(ks) + 1))
+    print("\n| run | " + " | ".join(f"‖H‖ / relative step / ρ at K={k}" for k in ks) + " |\n|" + "---|" * (len(ks) + 1))
     for name, rep in reports.items():
-        cell = lambda r: (f"{r['norm_mean']:.3g} / {na(r['fixed_point_residual'], '.1e')} / "
+        cell = lambda r: (f"{r['norm_mean']:.3g} / {na(r['relative_step'], '.1e')} / "
                           f"{na(r['spectral_radius'], '.2f')}")
         print(f"| {name} | " + " | ".join(cell(rep["per_loop"][k - 1]) for k in ks) + " |")
     fig, ax = plt.subplots(figsize=(9, 4.5))

@@ -23,7 +23,8 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on():
 
     def run(norm, ppl1, ppl4, radial=1e-8, clamp=0.001):
         rows = [{"k": k, "ppl": ppl1 + (ppl4 - ppl1) * (k - 1) / 3, "norm_mean": norm, "radial_fraction": radial,
-                 "clamp_delta_ce": clamp, "fixed_point_residual": 0.1 / norm} for k in (1, 2, 3, 4)]
+                 "clamp_delta_ce": clamp, "relative_step": 0.1 / norm,
+                 "scale_probe": [0.1 / (norm * s ** (0.5 if ppl1 > 10 else 1)) for s in paper_a.SCALES]} for k in (1, 2, 3, 4)]
         return {}, {"per_loop": rows}
     runs = {"norm-perloop": {1: run(900.0, 9.0, 9.0), 2: run(700.0, 9.0, 9.1), 3: run(5.0, 9.0, 9.0)},
             "raw-perloop": {1: run(7.0, 11.0, 8.5, 2e-2, 0.1), 2: run(8.0, 11.0, 9.5, 3e-2, 0.1),
@@ -35,6 +36,8 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on():
     assert "gains more from its loops on 3 of 3 seeds" in fix and "on 2 of 3." in fix  # seed 2 ends above norm
     frozen = next(line for line in lines if line.startswith("- Lemma 2"))
     assert "smaller for `norm` on 2 of 3 seeds" in frozen  # the step is 0.1 / scale: seed 3's norm run is the small one
+    probed = next(line for line in lines if line.startswith("- Lemma 2, probed"))
+    assert "slope -1.00 to -0.50 over the 6 runs without `loop_norm`" in probed  # raw's probe falls as 1/sqrt(s)
     radial = next(line for line in lines if line.startswith("- Radial"))
     assert "1.0e-08 to 1.0e-08 for all 3 runs" in radial and "1.0e-02 to 3.0e-02 for the 3 `raw` runs" in radial
     assert not any("penalty" in line for line in lines)  # a claim whose rows did not run is left out
@@ -62,7 +65,7 @@ def test_depth_page_shows_the_runs_and_names_the_rows_not_run(tmp_path):
     import depth
 
     def run(ce4, seed):
-        rows = [{"ce": ce4 + 0.01 * (k > 4), "norm_mean": 10.0, "fixed_point_residual": 1e-3, "spectral_radius": 0.9}
+        rows = [{"ce": ce4 + 0.01 * (k > 4), "norm_mean": 10.0, "relative_step": 1e-3, "spectral_radius": 0.9}
                 for k in range(1, 65)]
         meta = {"commit": "abc1234", "machine": "test", "wall_s": 60.0, "date": "2026-12-03T00:00:00"}
         return meta, {"config": {"n_loops": 4, "max_iters": 600}, "per_loop": rows}

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from configurator import UsageError
 from conftest import batch, tiny
-from looplm import LoopLM, LoopLMConfig, ce_by_loop, fixed_point_residual, norm_stats, radial_fraction, rms, token_norms
+from looplm import (SCALES, LoopLM, LoopLMConfig, ce_by_loop, norm_stats, radial_fraction, relative_step, rms, scale_probe,
+                    token_norms)
 
 
 def test_one_loop_equals_plain_transformer():
@@ -235,7 +236,22 @@ def test_diagnostics():
     assert s["max"] == 100 and s["min"] == 3 and s["median"] == 4 and abs(s["mean"] - 28) < 1e-9
     h = torch.randn(2, 3, 8)
     assert torch.allclose(token_norms(h), h.norm(dim=-1).flatten())
-    assert abs(fixed_point_residual(h, h * 1.1) - 0.1) < 1e-6 and fixed_point_residual(h, h) == 0
+    assert abs(relative_step(h, h * 1.1) - 0.1) < 1e-6 and relative_step(h, h) == 0
+
+
+def test_scale_probe_shows_lemma_2_for_pre_norm_and_not_through_loop_norm():
+    """Pre-norm: scaling loop k's input by 4 divides its relative step by 4 (Lemma 2's 1/s). With loop_norm the
+    next loop reads RMSNorm(s·H), so at a large s the update is bounded and the relative step tends to 1."""
+    idx, _ = batch()
+    for kw in ({}, {"init": "pytorch"}, {"inject": True}):
+        m = tiny(**kw)
+        steps = scale_probe(m, m.loop_states(idx, 2)[0], m.embed(idx))
+        big = [r for s, r in zip(SCALES, steps) if s >= 1]
+        assert all(abs(b / a - 0.25) < 0.03 for a, b in zip(big, big[1:])), (kw, steps)
+    m = tiny(loop_norm=True)
+    h = m.loop_states(idx, 2)[0]
+    steps = scale_probe(m, h / rms(h), m.embed(idx))  # from RMS 1/64 to 64
+    assert abs(steps[-1] - 1) < 0.05 and steps[0] > 10, steps
 
 
 @pytest.mark.parametrize("field,value,msg", [

@@ -17,7 +17,7 @@ import train
 from conftest import TRAIN_TINY, copy_run, file_bytes, run_train
 
 TRAIN_PER_LOOP_FIELDS = {"k", "ce", "ppl", "norm_mean", "norm_median", "norm_p99", "norm_max", "norm_std", "norm_min",
-                         "radial_fraction", "fixed_point_residual", "spectral_radius", "clamp_delta_ce", "tokens_per_s"}
+                         "radial_fraction", "relative_step", "spectral_radius", "scale_probe", "clamp_delta_ce", "tokens_per_s"}
 
 
 @pytest.mark.slow
@@ -31,8 +31,10 @@ def test_report_has_every_field_and_eval_only_rewrites_it(trained_run, train_dat
     for r in rep["per_loop"]:
         assert set(r) == TRAIN_PER_LOOP_FIELDS
         for name, v in r.items():
-            if name == "fixed_point_residual" and r["k"] == 1:
+            if name in ("relative_step", "scale_probe") and r["k"] == 1:
                 assert v is None
+            elif name == "scale_probe":
+                assert len(v) == len(rep["scale_probe_scales"]) and all(math.isfinite(x) and x > 0 for x in v)
             else:
                 assert isinstance(v, (int, float)) and math.isfinite(v), (name, v)
         assert abs(r["ppl"] - math.exp(r["ce"])) < 1e-6 * r["ppl"] and r["norm_min"] <= r["norm_median"] <= r["norm_p99"] <= r["norm_max"]

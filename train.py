@@ -186,10 +186,10 @@ def lr_at(cfg, it, max_iters):
 # ---------------------------------------------------------------- the training loop
 def step_streams(cfg, it, rank, device):
     """The random streams of step `it`, each a pure function of (seed, step, rank), so a resumed run replays the
-    uninterrupted one exactly. Dropout: torch's global generator, seeded here. The depth: `depth`, of (seed, step),
-    the same on every rank. The batch: `depth` again on rank 0 (so runs of one seed share batches only if they draw
-    depths alike), one of (seed + 7919·rank, step) on the others. STARS's direction: the batch's generator on CPU,
-    a device one of (seed, step, rank) on a GPU. Returns (depth, batch, penalty) generators."""
+    uninterrupted one (exactly on CPU). Dropout and the random start's noise: torch's global generator, seeded here.
+    The depth: `depth`, of (seed, step), the same on every rank. The batch: `depth` again on rank 0 (runs of one seed
+    share batches only if they draw depths alike), one of (seed + 7919·rank, step) on the others. STARS's direction:
+    the batch's generator on CPU, a device one of (seed, step, rank) on a GPU. Returns (depth, batch, penalty)."""
     torch.manual_seed(cfg.seed * 1_000_003 + it * 1009 + rank)
     depth = stars.step_generator(cfg.seed, it)
     batch = stars.step_generator(cfg.seed + 7919 * rank, it) if rank else depth

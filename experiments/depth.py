@@ -117,7 +117,7 @@ def page(runs, args):
                      + " | ".join(mr([r["per_loop"][k - 1]["ce"] for r in reps], ".3f") for k in ks)
                      + f" | {mr([rise(r) for r in reps], '+.3f')} |")
     lines.append("\n## ‖H_k‖ / relative step / ρ of the loop map at each depth (seed mean)\n")
-    lines.append("Relative step: ‖H_k − H_{k−1}‖/‖H_{k−1}‖ (`looplm.fixed_point_residual`); ρ by power iteration at "
+    lines.append("Relative step: ‖H_k − H_{k−1}‖/‖H_{k−1}‖ (`looplm.relative_step`); ρ by power iteration at "
                  "loop k's input (`report.loop_map_rho`). ρ at loop 1 is the map from the small embedding through "
                  "pre-norm (often large: not a sign of instability); a settled loop has ρ < 1 and a small step.\n")
     lines.append("| recipe | " + " | ".join(f"at {k}" for k in ks) + " |\n|---|" + "---|" * len(ks))
@@ -125,7 +125,7 @@ def page(runs, args):
         reps = [rep for _, rep in seeds.values()]
         m = lambda k, key: (lambda v: None if None in v else sum(v) / len(v))([r["per_loop"][k - 1][key] for r in reps])
         cell = lambda k: " / ".join(study.mean_range([m(k, key)], fmt) for key, fmt in
-                                    (("norm_mean", ".3g"), ("fixed_point_residual", ".1e"), ("spectral_radius", ".2f")))
+                                    (("norm_mean", ".3g"), ("relative_step", ".1e"), ("spectral_radius", ".2f")))
         lines.append(f"| {name} | " + " | ".join(cell(k) for k in ks) + " |")
     lines += goal(runs)
     fig, ax = plt.subplots(figsize=(8, 5))

@@ -8,7 +8,10 @@ Paper A (the readout blind spot) at CPU scale: the ablation on WikiText-2 bytes,
 config/ablation_cpu.py is Paper A's recipe at CPU scale (its init: torch's defaults; constant LR, no warm-up;
 epochs of windows every half-window). Each row switches one of the paper's ideas.
 """
+import numpy as np
+
 import study
+from looplm import SCALES
 
 ROWS = {
     "norm-terminal": "config/ablation_cpu.py --readout norm --no_per_loop_ce",
@@ -37,7 +40,8 @@ def page(runs, args):
             ("‖H_K‖ mean", lambda r, _: last(r)["norm_mean"], ".1f"), ("p99", lambda r, _: last(r)["norm_p99"], ".1f"),
             ("radial fraction", lambda r, _: last(r)["radial_fraction"], ".1e"),
             *[(f"PPL at loop {k}", ppl(k), ".3f") for k in (1, 2, 3, 4)],
-            ("step at loop 4", lambda r, _: r["per_loop"][3]["fixed_point_residual"], ".1e"),
+            ("relative step at loop 4", lambda r, _: r["per_loop"][3]["relative_step"], ".1e"),
+            ("Lemma 2 slope", lambda r, _: probe_slope(r), "+.2f"),
             ("ΔPPL 1→4", lambda r, _: r["per_loop"][3]["ppl"] - r["per_loop"][0]["ppl"], "+.3f"),
             ("clamp ΔCE", lambda r, _: last(r)["clamp_delta_ce"], "+.4f"),
             ("drift exponent b", lambda r, m: drift_exponent(read_log(m["out_dir"])), "+.2f")]
@@ -46,27 +50,39 @@ def page(runs, args):
     lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
     lines.append("\nPer row the mean (min–max) over seeds. ‖H_1‖, ‖H_K‖: per-token L2 norm at the first and the last "
                  "loop over the validation bytes; PPL per byte, Paper A's early-exit curve (loop k read out in the 4-loop run); drift exponent b: "
-                 "the slope of log ‖H_K‖ against log step over the second half of training; step at loop 4: "
-                 "‖H_4 − H_3‖ / ‖H_3‖ per token, averaged (`looplm.fixed_point_residual`), which bounds how far loop 4 "
-                 "turns the state's direction (Lemma 2).\n")
+                 "the slope of log ‖H_K‖ against log step over the second half of training; relative step at loop 4: "
+                 "‖H_4 − H_3‖ / ‖H_3‖ per token, averaged (`looplm.relative_step`), which bounds how far loop 4 "
+                 "turns the state's direction (Lemma 2); Lemma 2 slope: loop 4 run from its input rescaled, s·H_3 for s from "
+                 "1/64 to 64 (`looplm.scale_probe`), the log-log slope of its relative step against s (Lemma 2: −1).\n")
     lines.append("| run | seeds | " + " | ".join(c[0] for c in cols) + " |\n|---|---|" + "---|" * len(cols))
     for name, seeds in runs.items():
         lines.append(f"| {name} | {len(seeds)} | " + " | ".join(col(seeds, f, fmt) for _, f, fmt in cols) + " |")
     # Paper A's claims, counted seed by seed over the seeds both rows ran
     lines.append("\n## Paper A's claims, seed by seed\n")
     lines += claims(runs)
-    fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, ax = plt.subplots(1, 3, figsize=(15, 3.8))
     for name, seeds in runs.items():
         ks = [r["k"] for r in next(iter(seeds.values()))[1]["per_loop"]]
         mean = lambda key: [sum(rep["per_loop"][k - 1][key] for _, rep in seeds.values()) / len(seeds) for k in ks]
         ax[0].semilogy(ks, mean("ppl"), "o-", label=name)  # (log: the terminal rows' loop 1 is in the thousands)
         ax[1].semilogy(ks, mean("norm_mean"), "o-", label=name)
+        reps = [rep for _, rep in seeds.values()]
+        at3 = sum(rep["per_loop"][2]["norm_mean"] for rep in reps) / len(reps)  # ‖H_3‖: where s = 1 sits
+        probe = [sum(rep["per_loop"][3]["scale_probe"][i] for rep in reps) / len(reps) for i in range(len(SCALES))]
+        line, = ax[2].loglog([s * at3 for s in SCALES], probe, "-", lw=1)
+        ax[2].loglog([at3], [probe[SCALES.index(1)]], "o", color=line.get_color())
     ax[0].set(xlabel="loop k", ylabel="validation PPL (seed mean)")
     ax[1].set(xlabel="loop k", ylabel="mean per-token ‖H_k‖₂ (seed mean)")
-    ax[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax[2].set(xlabel="‖s·H_3‖ (dot: s = 1, the trained state)", ylabel="loop 4's relative step (seed mean)")
+    ax[2].legend(ax[1].get_lines(), list(runs), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     png = study.savefig(fig, args, "ppl_norms")
     lines.insert(2, f"\n![PPL and ‖H_k‖ by loop, seed means]({png})\n")
     return "\n".join(lines) + "\n", [png]
+
+
+def probe_slope(rep):
+    """The log-log slope of loop 4's relative step against the scale s of its input (Lemma 2: −1)."""
+    return float(np.polyfit(np.log(SCALES), np.log(rep["per_loop"][3]["scale_probe"]), 1)[0])
 
 
 def claims(runs):
@@ -92,11 +108,17 @@ def claims(runs):
                    f"{mr(ratio, '.0f')}x below `norm`; below it on {sum(r > 1 for r in ratio)} of {len(seeds)} seeds.")
     seeds = both("norm-perloop", "raw-perloop")
     if seeds:  # Lemma 2: a large scale freezes the loop (the step relative to the state shrinks as 1/scale)
-        step = lambda row, s: at(row, s)["fixed_point_residual"]
+        step = lambda row, s: at(row, s)["relative_step"]
         out.append(f"- Lemma 2, the frozen loop: loop 4's relative step ‖H_4 − H_3‖/‖H_3‖ is "
                    f"{mr([step('norm-perloop', s) for s in seeds], '.1e')} for per-loop `norm`, "
                    f"{mr([step('raw-perloop', s) for s in seeds], '.1e')} for `raw`; smaller for `norm` on "
                    f"{sum(step('norm-perloop', s) < step('raw-perloop', s) for s in seeds)} of {len(seeds)} seeds.")
+    pre = [probe_slope(runs[r][s][1]) for r in runs if "loop_norm" not in r for s in runs[r]]
+    ln = [probe_slope(runs[r][s][1]) for r in runs if "loop_norm" in r for s in runs[r]]
+    if pre:
+        out.append(f"- Lemma 2, probed: rescaling loop 4's input by s from 1/64 to 64 moves its relative step with log-log "
+                   f"slope {min(pre):+.2f} to {max(pre):+.2f} over the {len(pre)} runs without `loop_norm` (Lemma 2: −1)"
+                   + (f"; with it (the next loop reads RMSNorm(s·H)), {min(ln):+.2f} to {max(ln):+.2f}." if ln else "."))
     blind = [at(r, s)["radial_fraction"] for r in runs if "raw" not in r for s in runs[r]]
     seen = [at(r, s)["radial_fraction"] for r in runs if "raw" in r for s in runs[r]]
     if blind and seen:

@@ -52,15 +52,15 @@ def page(runs, args):
                 mr([acc(rep, k, proto) for _, rep in seeds.values()], ".1f", 100) for k in depths) + " |")
     deep = [k for k in (32, 64, 100) if k in depths]
     if deep:
-        lines.append("\n## Fixed points: ρ of the loop map at the answer positions, residual ‖h_k − h_{k−1}‖/‖h_{k−1}‖\n")
+        lines.append("\n## Fixed points: ρ of the loop map at the answer positions, relative step ‖h_k − h_{k−1}‖/‖h_{k−1}‖\n")
         lines.append("| recipe | " + " | ".join(f"ρ at {k}" for k in deep) + " | "
-                     + " | ".join(f"residual at {k}" for k in deep) + " |")
+                     + " | ".join(f"relative step at {k}" for k in deep) + " |")
         lines.append("|---|" + "---|" * 2 * len(deep))
     for name, seeds in (runs.items() if deep else ()):
         reps = [rep["addition"] for _, rep in seeds.values()]
         lines.append(f"| {name} | " + " | ".join(mr([a.get("spectral_radius_answer", {}).get(str(k)) for a in reps], ".3f")
                                                   for k in deep)
-                     + " | " + " | ".join(mr([a.get("residual", {}).get(str(k)) for a in reps], ".1e") for k in deep) + " |")
+                     + " | " + " | ".join(mr([a.get("relative_step", {}).get(str(k)) for a in reps], ".1e") for k in deep) + " |")
     lines.append(f"\n## Each seed: strict exact match (%) at {K}, 64 and 100 loops; when it left the plateau\n")
     lines.append("On the loss plateau the model gets the space and the last answer position right and every other digit "
                  "at chance. \"left\" is the first evaluation with ≥ 50% strict exact match at the trained depth.\n")
