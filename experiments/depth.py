@@ -45,6 +45,9 @@ ROWS = {
     "damp0.5-mean4": f"{P} --loop_damping 0.5",                          # each loop half of F's step
     "damp0.25-mean4": f"{P} --loop_damping 0.25",
     "damp0.5-inject-loopnorm-noise1-mean4": f"{P} --loop_damping 0.5 --inject --loop_norm --state_noise 1",
+    # the frontier at K given 4x the steps: depth sampling, damped or not
+    "mean4-2400": f"{P} {LONG}",
+    "damp0.5-mean4-2400": f"{P} --loop_damping 0.5 {LONG}",
 }
 BASELINES = ("baseline", "baseline-2400")  # the fixed-depth baselines, one a number of steps
 QUICK = "--max_iters 4 --eval_interval 4 --eval_iters 1 --batch_size 4 --eval_loops 16 --dataset pydoc"
