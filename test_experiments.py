@@ -36,6 +36,8 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on():
     assert "gains more from its loops on 3 of 3 seeds" in fix and "on 2 of 3." in fix  # seed 2 ends above norm
     frozen = next(line for line in lines if line.startswith("- Lemma 2"))
     assert "smaller for `norm` on 2 of 3 seeds" in frozen  # the step is 0.1 / scale: seed 3's norm run is the small one
+    across = next(line for line in lines if line.startswith("- Lemma 2 holds for a fixed network"))
+    assert "is 1 (1–1)x larger for per-loop `norm`" in across and "larger on 0 of 3 seeds" in across  # update 0.1 for all
     probed = next(line for line in lines if line.startswith("- Lemma 2, probed"))
     assert "slope -1.00 to -0.50 over the 6 runs without `loop_norm`" in probed  # raw's probe falls as 1/sqrt(s)
     radial = next(line for line in lines if line.startswith("- Radial"))
