@@ -65,21 +65,29 @@ def ce_K(rep):
     return rep["per_loop"][rep["config"]["n_loops"] - 1]["ce"]
 
 
+def points(runs):
+    """{recipe: {seed: (cost at K, rise)}}: the cost against the fixed-depth baseline of the same seed and steps."""
+    steps = lambda seeds: next(iter(seeds.values()))[1]["config"]["max_iters"]
+    base = {steps(runs[name]): runs[name] for name in BASELINES if name in runs}
+    out = {}
+    for name, seeds in runs.items():
+        b = base.get(steps(seeds), {})
+        out[name] = {s: (ce_K(rep) - ce_K(b[s][1]), rise(rep)) for s, (_, rep) in seeds.items()
+                     if s in b and rise(rep) is not None}
+    return out
+
+
 def goal(runs):
     """The goal, seed by seed, against the fixed-depth baseline of the same seed and number of steps; then the
     frontier: the recipes that no other beats on both the seed-mean cost at K and the seed-mean rise."""
-    steps = lambda seeds: next(iter(seeds.values()))[1]["config"]["max_iters"]
-    base = {steps(runs[name]): runs[name] for name in BASELINES if name in runs}
-    if not base:
+    if not any(name in runs for name in BASELINES):
         return []
     lines = ["\n## The goal, seed by seed\n", "CE at K minus the fixed-depth baseline's at the same seed and number of "
              "steps (the cost at K; goal ≤ +0.02), the rise (goal ≤ +0.01), and on how many seeds both hold:\n"]
     means = {}
-    for name, seeds in runs.items():
-        b = base.get(steps(seeds), {})
-        paired = [s for s in seeds if s in b and rise(seeds[s][1]) is not None]
-        cost = [ce_K(seeds[s][1]) - ce_K(b[s][1]) for s in paired]
-        rises = [rise(seeds[s][1]) for s in paired]
+    for name, pts in points(runs).items():
+        paired = list(pts)
+        cost, rises = [pts[s][0] for s in paired], [pts[s][1] for s in paired]
         ok = sum(r <= 0.01 and c <= 0.02 for r, c in zip(rises, cost))
         lines.append(f"- `{name}`: cost at K {study.mean_range(cost, '+.3f')}, rise {study.mean_range(rises, '+.3f')}; "
                      f"meets the goal on {ok} of {len(paired)} seeds")
@@ -96,6 +104,39 @@ def goal(runs):
     lines.append(f"Closest to the goal (cost above +0.02 plus rise above +0.01, seed means): `{best}`, "
                  f"{excess[best]:.3f} nats away.")
     return lines
+
+
+LESSONS = (  # what one ingredient does: (what, recipe, the recipe without it)
+    ("depth sampling", "mean4", "baseline"),
+    ("a damped loop, α 0.5", "damp0.5-mean4", "mean4"),
+    ("a damped loop, α 0.25", "damp0.25-mean4", "mean4"),
+    ("the norm penalty", "penalty-mean4", "mean4"),
+    ("loop_norm", "loopnorm-mean4", "mean4"),
+    ("STARS", "stars-mean4", "mean4"),
+    ("STARS at the deep loops", "stars-deep32-mean4", "stars-mean4"),
+    ("Paper B's sandwich block", "sandwich-mean4", "mean4"),
+    ("Huginn's random start", "inject-loopnorm-noise1-mean4", "inject-loopnorm-mean4"),
+    ("damping the random start", "damp0.5-inject-loopnorm-noise1-mean4", "inject-loopnorm-noise1-mean4"),
+    ("the random start given 4x the steps", "inject-loopnorm-noise1-2400", "inject-loopnorm-noise1-mean4"),
+    ("depth sampling given 4x the steps", "mean4-2400", "mean4"),
+    ("the damped loop given 4x the steps", "damp0.5-mean4-2400", "damp0.5-mean4"),
+    ("early exits on the DEQ-style target", "deq16-exits4-inject-loopnorm", "deq16-inject-loopnorm"),
+)
+
+
+def lessons(runs):
+    """Per ingredient, seed by seed: the change in cost at K and in rise when it is added to a recipe."""
+    pts, mr = points(runs), study.mean_range
+    lines = ["\n## What each ingredient does, seed by seed\n", "The recipe minus the same recipe without the "
+             "ingredient, at the same seed: change in cost at K, change in rise (negative is better).\n"]
+    for what, name, ref in LESSONS:
+        seeds = [s for s in pts.get(name, {}) if s in pts.get(ref, {})]
+        if seeds:
+            d = [(pts[name][s][0] - pts[ref][s][0], pts[name][s][1] - pts[ref][s][1]) for s in seeds]
+            lines.append(f"- {what} (`{name}` against `{ref}`): cost {mr([c for c, _ in d], '+.3f')}, rise "
+                         f"{mr([r for _, r in d], '+.3f')}; lower cost on {sum(c < 0 for c, _ in d)} of {len(d)} "
+                         f"seeds, lower rise on {sum(r < 0 for _, r in d)} of {len(d)}")
+    return lines if len(lines) > 2 else []
 
 
 def page(runs, args):
@@ -130,7 +171,7 @@ def page(runs, args):
         cell = lambda k: " / ".join(study.mean_range([m(k, key)], fmt) for key, fmt in
                                     (("norm_mean", ".3g"), ("relative_step", ".1e"), ("spectral_radius", ".2f")))
         lines.append(f"| {name} | " + " | ".join(cell(k) for k in ks) + " |")
-    lines += goal(runs)
+    lines += goal(runs) + lessons(runs)
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (name, seeds) in enumerate(runs.items()):
         pts = [(ce_K(rep), rise(rep)) for _, rep in seeds.values() if rise(rep) is not None]
