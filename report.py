@@ -51,7 +51,7 @@ def evaluate(model, cfg, val_data, device, ctx, final=False):
             f"K{k}={100 * acc[str(k)]:.1f}" + (f"|{100 * pub[str(k)]:.0f}" if pub else "") + "%"
             for k in DEPTHS if str(k) in acc))
     else:
-        rows, n_tok = evaluate_lm(model, val_data, cfg, K_eval, device, ctx)
+        rows, n_tok = evaluate_lm(model, val_data, cfg, K_eval, device, ctx, final)
         report["per_loop"], report["eval_tokens"] = rows, n_tok
         report["norm_convention"] = "per-token L2 norm ||H_k||_2 (RMS = L2/sqrt(n_embd))"
         report["scale_probe_scales"] = list(SCALES)
@@ -161,11 +161,12 @@ def loop_map_rho(model, h0, k, states, mask=None, iters=40):
 
 
 @torch.no_grad()
-def evaluate_lm(model, val, cfg, K_eval, device, ctx):
+def evaluate_lm(model, val, cfg, K_eval, device, ctx, final=True):
     """Per loop k = 1..K_eval: CE/PPL, ‖H_k‖ stats (L2, per token), radial gradient fraction,
     relative step, spectral radius of the loop map, Lemma 2's scale probe (loop k's relative step from
     s·H_{k-1}, s in looplm.SCALES), clamp ΔCE, tokens/s at depth k (ρ and the probe at k <= 8, at DEPTHS and
-    at K_eval only, tokens/s at DEPTHS, K and K_eval, the clamp at k <= max(8, K); None elsewhere).
+    at K_eval only, tokens/s at DEPTHS, K and K_eval, the clamp at k <= max(8, K); None elsewhere). An
+    intermediate evaluation (final=False: its report is not written) leaves out ρ, the probe and tokens/s.
     Row k's "ce" is the early-exit curve: loop k's readout in the run at the trained depth K
     (readout(h, k, K), Paper A's protocol), and beyond K the model run at depth k. For final_norm,
     "ce_run_at_k" adds the model run at depth k (normalized at loop k). Same batches for every k."""
@@ -198,7 +199,7 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
     states = first if isinstance(ctx, nullcontext) else model.loop_states(x, K_eval)
     h0 = model.embed(x[:4])
     rows = []
-    timed = lambda k: k <= 8 or k in DEPTHS or k == K_eval  # ρ (a costly one) at these depths only
+    timed = lambda k: final and (k <= 8 or k in DEPTHS or k == K_eval)  # ρ (a costly one) at these depths only
     for k in range(1, K_eval + 1):
         s = norm_stats(torch.cat(norms[k - 1]))
         rho = loop_map_rho(model, h0, k, states, iters=10) if timed(k) else None  # ρ(∂H_k/∂H_{k-1}), 4 sequences
@@ -210,8 +211,8 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx):
                      "spectral_radius": rho,
                      "scale_probe": scale_probe(model, states[k - 2][:4], h0) if k > 1 and timed(k) else None,
                      "clamp_delta_ce": ce_clamp[k - 1] - ce[k - 1] if k <= K_clamp else None,
-                     "tokens_per_s": depth_throughput(model, x, k, device, ctx) if k in DEPTHS or k in (K_train, K_eval)
-                     else None})
+                     "tokens_per_s": depth_throughput(model, x, k, device, ctx)
+                     if final and (k in DEPTHS or k in (K_train, K_eval)) else None})
     return rows, sum(len(n) for n in norms[0])
 
 

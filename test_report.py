@@ -140,6 +140,11 @@ def test_depth_table_measures_the_rise_at_four_times_the_trained_depth(capsys):
     timed = [r["k"] for r in rows if r["spectral_radius"] is not None]
     assert timed == [1, 2, 3, 4, 5, 6, 7, 8, 16, 17]
     assert [r["k"] for r in rows if r["tokens_per_s"]] == [1, 2, 4, 8, 16, 17]
+    assert [r["k"] for r in rows if r["scale_probe"]] == [2, 3, 4, 5, 6, 7, 8, 16, 17]
+    mid, _ = report.evaluate_lm(m, val, train.TrainConfig(batch_size=2, eval_iters=1, seed=0), 17, "cpu",
+                                contextlib.nullcontext(), final=False)  # an intermediate one: CE, norms, radial, clamp
+    assert all(r["spectral_radius"] is None and r["scale_probe"] is None and r["tokens_per_s"] is None for r in mid)
+    assert [r["ce"] for r in mid] == [r["ce"] for r in rows] and mid[3]["radial_fraction"] == rows[3]["radial_fraction"]
     rep = {"config": {"n_loops": 4}, "per_loop": rows}
     fig, _ = report.depth_table({"a": rep, "b": {"config": {"n_loops": 2}, "per_loop": rows}})
     out = capsys.readouterr().out.splitlines()
