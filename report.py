@@ -1,6 +1,6 @@
 """
 report.py: what a run measures. The evaluation that fills report.json (per loop k: CE, ‖H_k‖, radial fraction, relative step,
-spectral radius, clamp ΔCE, tokens/s; addition: exact match at every depth), the plots, and
+spectral radius, Lemma 2's scale probe, clamp ΔCE, tokens/s; addition: exact match at every depth), the plots, and
 `train.py --compare`, which tables and overlays several runs.
 
 Two curves over depth, told apart. The early-exit curve (Paper A's public code) reads loop k's
