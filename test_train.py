@@ -400,6 +400,7 @@ TRAIN_BAD_INPUTS = {
     "resume, another task": (["--init_from", "resume", "--task", "addition"], 2, "is not the checkpoint's"),
     "negative norm_penalty": (["--norm_penalty", "-1"], 2, "--norm_penalty -1.0 is invalid; it must be >= 0.0"),
     "eval_only from scratch": (["--eval_only"], 2, "--eval_only needs --init_from resume"),
+    "STARS never on": (["--stars_lambda", "0.1"], 2, "--stars_warmup 2000 is not below --max_iters 6: the STARS penalty"),
     "resume, no checkpoint": (["--init_from", "resume", "--out_dir", "{empty_dir}"], 1, "no checkpoint at"),
     "resume, larger block_size": (["--init_from", "resume", "--block_size", "64"], 2,
                                   "--block_size 64 exceeds the checkpoint's 32"),

@@ -138,6 +138,9 @@ def settings(argv):
         raise UsageError("--state_noise_anneal needs --state_noise (with --inject): it anneals that noise")
     if cfg.grad_first and not cfg.grad_loops:
         raise UsageError(f"--grad_first {cfg.grad_first} needs --grad_loops: without it every loop has gradient")
+    if cfg.stars_lambda and cfg.stars_warmup >= cfg.max_iters and not cfg.eval_only:
+        raise UsageError(f"--stars_warmup {cfg.stars_warmup} is not below --max_iters {cfg.max_iters}: the STARS penalty "
+                         "would never switch on; lower --stars_warmup")
     if cfg.eval_only and cfg.init_from != "resume":
         raise UsageError("--eval_only needs --init_from resume (and a checkpoint in --out_dir)")
     if cfg.device != "auto":
@@ -187,9 +190,9 @@ def lr_at(cfg, it, max_iters):
 def step_streams(cfg, it, rank, device):
     """The random streams of step `it`, each a pure function of (seed, step, rank), so a resumed run replays the
     uninterrupted one (exactly on CPU). Dropout and the random start's noise: torch's global generator, seeded here.
-    The depth: `depth`, of (seed, step), the same on every rank. The batch: `depth` again on rank 0 (runs of one seed
-    share batches only if they draw depths alike), one of (seed + 7919·rank, step) on the others. STARS's direction:
-    the batch's generator on CPU, a device one of (seed, step, rank) on a GPU. Returns (depth, batch, penalty)."""
+    `depth`, of (seed, step), the same on every rank, draws the depth first; on rank 0 the batch (and on CPU STARS's
+    direction) then draw from it too, so runs of one seed share batches only if they draw depths alike. Other ranks'
+    batch: (seed + 7919·rank, step); a GPU's direction: (seed, step, rank). Returns (depth, batch, penalty)."""
     torch.manual_seed(cfg.seed * 1_000_003 + it * 1009 + rank)
     depth = stars.step_generator(cfg.seed, it)
     batch = stars.step_generator(cfg.seed + 7919 * rank, it) if rank else depth
@@ -289,9 +292,9 @@ def train(cfg, run, model, optimizer):
 
 class NonFiniteGuard:
     """A step whose loss or gradient norm is inf or NaN must not reach the weights, and the loop must not wait
-    on the device every step to find out. check() sets optimizer.found_inf, the hook GradScaler uses: torch's
-    fused AdamW (configure_optimizers' choice on CPU and CUDA) reads it on the device and, where it is 1, leaves
-    the weights, the moments and the step count as they were. The first such step stays on the device (first:
+    on the device every step to find out. check() sets optimizer.found_inf, the hook GradScaler uses: fused AdamW
+    (required; configure_optimizers always builds it) reads it on the device and, where it is 1, leaves the
+    weights, the moments and the step count as they were. The first such step stays on the device (first:
     0 if none); the loop reads it with its logged numbers at the next log or eval step, and stops with error()."""
 
     def __init__(self, device):
@@ -310,9 +313,8 @@ class NonFiniteGuard:
 
 
 def all_reduce_mean(params, logged):
-    """Average the gradients and the logged numbers over ranks in ONE collective over a flat buffer
-    (the bucket that DDP would build). Not DDP itself: its hooks fire during backward, and the STARS
-    penalty's double backward (create_graph) is not supported under them."""
+    """Average the gradients and the logged numbers over ranks in ONE collective over a flat buffer (DDP's bucket).
+    Not DDP itself: its hooks fire during backward, and the STARS penalty's double backward is not supported there."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.flatten() for g in grads] + [logged])
     torch.distributed.all_reduce(flat)
