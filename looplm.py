@@ -358,7 +358,8 @@ class LoopLM(nn.Module):
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        fused = device_type in ("cuda", "cpu")  # fused AdamW: one kernel for all parameters (CPU: ~4x foreach)
+        # fused AdamW: one kernel for all parameters (CPU: ~4x foreach); train.NonFiniteGuard needs it (found_inf)
+        fused = device_type in ("cuda", "cpu")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None,
                                  foreach=None if fused else True)
 
