@@ -331,7 +331,8 @@ PHASES = {  # where a run's time goes: cumulative seconds in these functions (cP
     "checkpoints": ("checkpoint.save_checkpoint", "report.save_checkpoint")}  # (report.py's before checkpoint.py)
 EVAL_PARTS = {  # inside the evaluation; what is left of it is CE, norms, relative step, strict exact match
     "eval: radial fraction": "looplm.radial_fraction", "eval: ρ power iteration": "report.loop_map_rho",
-    "eval: tokens/s": "report.depth_throughput", "eval: public addition protocol": "report.public_addition_accuracy"}
+    "eval: tokens/s": "report.depth_throughput", "eval: public addition protocol": "report.public_addition_accuracy",
+    "eval: scale probe": "looplm.scale_probe"}
 
 
 def preset_runs(args):

@@ -50,7 +50,7 @@ ROWS = {
     "damp0.5-mean4-2400": f"{P} --loop_damping 0.5 {LONG}",
 }
 BASELINES = ("baseline", "baseline-2400")  # the fixed-depth baselines, one a number of steps
-QUICK = "--max_iters 4 --eval_interval 4 --eval_iters 1 --batch_size 4 --eval_loops 16 --dataset pydoc"
+QUICK = "--max_iters 4 --eval_interval 4 --eval_iters 1 --batch_size 4 --eval_loops 16 --dataset pydoc --stars_warmup 2"
 DEPTHS = (1, 2, 4, 8, 16, 32, 64)
 
 

@@ -121,10 +121,19 @@ def finished_runs(rows, args):
             seed, path = int(d[1:]), os.path.join(folder, d)
             meta = read_json(os.path.join(path, "run.json"))
             if meta.get("finished") and same_command(meta, command(rows[name], seed, path, args)):
-                out.setdefault(name, {})[seed] = meta, read_json(os.path.join(path, "report.json"))
+                out.setdefault(name, {})[seed] = meta, renamed(read_json(os.path.join(path, "report.json")))
     if not out:
         raise SystemExit(f"no finished run in {args.runs} for these rows: run the study first")
     return out
+
+
+def renamed(rep):
+    """A report written before afd1978 names the relative step fixed_point_residual (addition: residual)."""
+    for row in rep.get("per_loop", []):
+        row.setdefault("relative_step", row.get("fixed_point_residual"))
+    if "addition" in rep:
+        rep["addition"].setdefault("relative_step", rep["addition"].get("residual", {}))
+    return rep
 
 
 def run_all(rows, args):
