@@ -121,6 +121,7 @@ def finished_runs(rows, args):
             seed, path = int(d[1:]), os.path.join(folder, d)
             meta = read_json(os.path.join(path, "run.json"))
             if meta.get("finished") and same_command(meta, command(rows[name], seed, path, args)):
+                meta["out_dir"] = path  # where the run is now (the runs folder may have moved since)
                 out.setdefault(name, {})[seed] = meta, renamed(read_json(os.path.join(path, "report.json")))
     if not out:
         raise SystemExit(f"no finished run in {args.runs} for these rows: run the study first")
