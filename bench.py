@@ -283,7 +283,7 @@ def gpu_check(args):
     def train_run(name, preset, extra, nproc=1):
         out = os.path.join(tmp, name)
         launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                      "--nproc_per_node", str(nproc)]
+                                                      "--standalone", "--nproc_per_node", str(nproc)]  # a free port
         if run(name, launch + ["train.py", preset, "--device", dev, "--out_dir", out] + extra, 300):
             rows = [json.loads(line) for line in open(os.path.join(out, "log.jsonl")) if '"loss"' in line]
             summary[name].update(final_loss=rows[-1]["loss"], tokens_per_s=statistics.median(
