@@ -288,11 +288,20 @@ def plot_report(out_dir, report, log_rows):
 def read_report(d):
     p = os.path.join(d, "report.json")
     try:
-        return json.load(open(p))
+        return renamed(json.load(open(p)))
     except FileNotFoundError:
         raise RunError(f"{p} not found; train or --eval_only that run first") from None
     except (OSError, ValueError) as e:
         raise RunError(f"{p} is unreadable ({type(e).__name__}); rerun that run's evaluation with --eval_only") from None
+
+
+def renamed(rep):
+    """A report written before afd1978 names the relative step fixed_point_residual (addition: residual)."""
+    for row in rep.get("per_loop", []):
+        row.setdefault("relative_step", row.get("fixed_point_residual"))
+    if "addition" in rep:
+        rep["addition"].setdefault("relative_step", rep["addition"].get("residual", {}))
+    return rep
 
 
 def run_names(dirs):

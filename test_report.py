@@ -186,3 +186,11 @@ def test_addition_eval_scores_each_answer_position_at_the_trained_depth():
     assert pos["space"] == 1.0 and abs(pos["digit0"] - zero) < 1e-6 and 0.02 < zero < 0.3
     assert all(pos[f"digit{j}"] == 1.0 for j in range(1, 5)) and pos["digit2_carry"] == [1.0, 1.0]
     assert out["accuracy"] == {"1": zero, "2": zero, "3": zero} and "accuracy_public" not in out
+
+
+def test_reports_from_before_the_rename_read_with_relative_step():
+    old = {"per_loop": [{"k": 1, "fixed_point_residual": None}, {"k": 2, "fixed_point_residual": 0.1}],
+           "addition": {"residual": {"2": 0.3}}}
+    rep = report.renamed(old)
+    assert [r["relative_step"] for r in rep["per_loop"]] == [None, 0.1] and rep["addition"]["relative_step"] == {"2": 0.3}
+    assert report.renamed({"per_loop": [{"relative_step": 0.2}]})["per_loop"][0]["relative_step"] == 0.2  # new: as is

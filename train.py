@@ -48,8 +48,7 @@ class TrainConfig:
     always_save_checkpoint: bool = setting(True, "save at every evaluation, not only when the validation loss improves")
     overwrite: bool = setting(False, "from scratch, replace the run in out_dir, finished or interrupted, of any shape "
                                      "(otherwise refused)")
-    compare: str = setting("", "comma-separated run folders: print a table of their reports, overlay their plots in "
-                               "out_dir, and exit")
+    compare: str = setting("", "comma-separated run folders: table their reports, overlay their plots in out_dir, exit")
     # data
     task: str = setting("lm", "lm: language modelling | addition: Paper B's N-digit addition", choices=("lm", "addition"))
     dataset: str = setting("wikitext103", "wikitext103, wikitext2: from the Hugging Face hub (wikitext2 from --data_dir "
@@ -351,7 +350,6 @@ def evaluate_and_save(cfg, run, model, optimizer, stop):
         checkpoint.adopt_log(run)
     if final:
         report.write_report(cfg.out_dir, {**rep, "iter": run.iter_num})
-
 
 
 SAVED = {}  # the last checkpoint this process wrote or resumed from: what a Ctrl-C message points at

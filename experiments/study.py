@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from data import atomic_write_text  # noqa: E402
+from report import renamed  # noqa: E402
 
 
 def parse(study, doc, default_seeds, quick_args):
@@ -126,15 +127,6 @@ def finished_runs(rows, args):
     if not out:
         raise SystemExit(f"no finished run in {args.runs} for these rows: run the study first")
     return out
-
-
-def renamed(rep):
-    """A report written before afd1978 names the relative step fixed_point_residual (addition: residual)."""
-    for row in rep.get("per_loop", []):
-        row.setdefault("relative_step", row.get("fixed_point_residual"))
-    if "addition" in rep:
-        rep["addition"].setdefault("relative_step", rep["addition"].get("residual", {}))
-    return rep
 
 
 def run_all(rows, args):
