@@ -205,6 +205,7 @@ def training_loss(model, x, y, n_loops, grad_loops=None, penalty=None, checkpoin
     if penalty is None or penalty.lam <= 0:
         return loss, states, None
     n = penalty.rows or x.size(0)
+    # with inject, the map's h0 is the embedding again (with dropout on: a fresh mask, not the loop's)
     step = looplm_step_fn(model, model.embed(x[:n]) if model.config.inject else None)
     h = states[-1][:n].detach()
     with torch.no_grad():

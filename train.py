@@ -187,11 +187,13 @@ def lr_at(cfg, it, max_iters):
 
 # ---------------------------------------------------------------- the training loop
 def step_streams(cfg, it, rank, device):
-    """The random streams of step `it`, each a pure function of (seed, step, rank), so a resumed run replays the
-    uninterrupted one (exactly on CPU). Dropout and the random start's noise: torch's global generator, seeded here.
-    `depth`, of (seed, step), the same on every rank, draws the depth first; on rank 0 the batch (and on CPU STARS's
-    direction) then draw from it too, so runs of one seed share batches only if they draw depths alike. Other ranks'
-    batch: (seed + 7919·rank, step); a GPU's direction: (seed, step, rank). Returns (depth, batch, penalty)."""
+    """Step `it`'s random streams, each a pure function of (seed, step, rank), so a resumed run replays the
+    uninterrupted one (exactly on CPU). In the order a step draws from them:
+    - depth: a generator of (seed, step), the same on every rank; the sampled depth is drawn first;
+    - batch: on rank 0 that same generator, after the depth (so runs of one seed share batches only if they
+      draw depths alike); on rank r its own, (seed + 7919·r, step);
+    - penalty, STARS's direction v: on CPU the batch generator again, after the batch; on a GPU (seed, step, rank);
+    - dropout and the random start's noise: torch's global generator, seeded here. Returns (depth, batch, penalty)."""
     torch.manual_seed(cfg.seed * 1_000_003 + it * 1009 + rank)
     depth = stars.step_generator(cfg.seed, it)
     batch = stars.step_generator(cfg.seed + 7919 * rank, it) if rank else depth
@@ -256,16 +258,14 @@ def train(cfg, run, model, optimizer):
                 dt = time.perf_counter() - t0
                 tps = run.tokens_per_iter * cfg.log_interval / dt if run.iter_num % cfg.log_interval == 0 else 0
                 eta = (time.perf_counter() - t_start) / (run.iter_num - it0) * (run.max_iters - run.iter_num)
-                jv_f = jv_f if penalty is not None else None
                 checkpoint.append_log(run.log_path, {"iter": run.iter_num, "loss": loss_f, "lr": lr, "loops": n_loops,
                                                  "norm_K": norm_K, "tokens_per_s": tps,
-                                                 **({"jv_norm": jv_f} if jv_f is not None else {})})
+                                                 **({"jv_norm": jv_f} if penalty is not None else {})})
                 print(f"step {run.iter_num}/{run.max_iters} loss {loss_f:.4f} | {tps:,.0f} tok/s | ETA {eta / 60:.1f} min"
-                      f" | ‖H_K‖ {norm_K:.1f} | loops {n_loops}" + (f" | ‖Jv‖ {jv_f:.3f}" if jv_f is not None else ""),
+                      f" | ‖H_K‖ {norm_K:.1f} | loops {n_loops}" + (f" | ‖Jv‖ {jv_f:.3f}" if penalty is not None else ""),
                       flush=True)
                 t0 = time.perf_counter()
-            # one process stops at once; ranks stop together, at a step where all of them read the
-            # averaged flag (any rank signalled), which they do at the log and eval steps
+            # one process stops at once; ranks together, at a log or eval step (all read the averaged flag there)
             stopping = "sig" in stop if run.world == 1 else (log_now or eval_now) and signalled > 0
             if eval_now:
                 ok = False

@@ -1,5 +1,5 @@
 # Paper B's addition recipe, scaled down for 2 CPU cores: its block (one shared sandwich block, LayerNorm
-# with biases, GELU MLP of width 2·d, 8 heads, explicit attention), its init (every weight N(0, 0.02)),
+# with biases, GELU MLP of width 2·d, 8 heads; SDPA attention, explicit in the STARS penalty), its init (N(0, 0.02)),
 # dropout 0.1, no input injection, terminal loss through the final norm. Smaller: d 128 (Paper B: 512),
 # 1,000 steps of 128 problems at learning rate 1e-3 (Paper B: 10k x 512 at 1e-4, on a GPU), easy problems
 # first (zero_digits_steps). Results on 5 seeds: experiments/paper_b.md.
@@ -37,3 +37,4 @@ eval_interval = 250
 eval_loops = 100
 out_dir = "out-addition-cpu"
 device = "cpu"
+seed = 1                      # the study's first seed (it adds --seed S)

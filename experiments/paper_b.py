@@ -3,12 +3,12 @@ Paper B (STARS) at CPU scale: 4-digit addition at every depth 1..100, each recip
 
     python experiments/paper_b.py                 # every row on seeds 1-5, two runs at once, and the page paper_b.md
     python experiments/paper_b.py --rows baseline --seeds 6,7   # more seeds of one row (the page then has them)
-    python experiments/paper_b.py --rows baseline,sampling,stars,no_curriculum   # the rows on paper_b.md
+    python experiments/paper_b.py --rows baseline,stars          # two rows only (a page of these two)
     python experiments/paper_b.py --device cuda --jobs 8        # on a GPU, eight runs at once
 
 The rows: config/addition_cpu.py (the fixed-4 baseline), Paper B's two ingredients on top of it (depth
-sampling, then the Jacobian penalty), the penalty at the supervised positions only, and the baseline without
-the preset's curriculum (no_curriculum). Every run is scored on the same held-out problems (strict: space,
+sampling, then the Jacobian penalty), the penalty at the supervised positions only, the penalty alone at fixed
+depth (stars_fixed), and the baseline without the preset's curriculum (no_curriculum). Every run is scored on the same held-out problems (strict: space,
 digits and § teacher-forced, which equals greedy decoding) and on the first 100 by Paper B's own protocol.
 """
 import study
@@ -19,6 +19,7 @@ ROWS = {
     "stars": "config/addition_cpu.py --loop_sampling lognormal --stars_lambda 0.1",      # + the Jacobian penalty
     "no_curriculum": "config/addition_cpu.py --zero_digits_steps 0",                     # the baseline, uniform problems
     "stars_supervised": "config/addition_cpu.py --loop_sampling lognormal --stars_lambda 0.1 --stars_supervised",
+    "stars_fixed": "config/addition_cpu.py --stars_lambda 0.1",                          # the penalty alone, 4 loops
 }
 QUICK = "--max_iters 4 --loop_start 2 --stars_warmup 2 --eval_interval 2 --eval_problems 40 --eval_loops 4 --batch_size 16"
 DEPTHS = (1, 2, 4, 8, 16, 32, 64, 100)
