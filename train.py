@@ -428,9 +428,9 @@ def start(cfg, model_args, given):
         tok = data.get_tokenizer(meta)
         model.eval()
         vars(model).pop("step", None)  # decode eagerly: the KV cache changes shape every token (no recompiles)
-        x = torch.tensor([tok.encode("\n")], device=device)
+        x = torch.tensor([tok.encode("The ")], device=device)  # prose, not the tables a newline often opens
         y, _ = generate(model, x, cfg.sample_tokens, mcfg.n_loops, temperature=0.8, top_k=None, vocab=tok.vocab_size)
-        print("sample:", tok.decode(y[0, 1:].tolist()))
+        print("sample:", tok.decode(y[0].tolist()))
     return code
 
 
