@@ -101,3 +101,21 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
     again = subprocess.run(cmd, cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "done: baseline seed 1 (" in again.stdout
     assert metas["baseline"] == json.load(open(tmp_path / "runs" / "baseline" / "s1" / "run.json"))  # not run again
+    # a preset edited since a run finished (here: its report says another learning rate): run again, not reused
+    rep_path = tmp_path / "runs" / "baseline" / "s1" / "report.json"
+    rep = json.load(open(rep_path))
+    rep["config"]["learning_rate"] = 0.5
+    rep_path.write_text(json.dumps(rep))
+    third = subprocess.run(cmd, cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
+    assert third.returncode == 0 and "its settings changed since it ran (learning_rate 0.5 then, 0.001 now)" in third.stdout
+    assert json.load(open(rep_path))["config"]["learning_rate"] == 0.001
+
+
+def test_a_run_whose_command_now_resolves_to_other_settings_is_told_apart():
+    argv = ["config/addition_cpu.py", "--seed", "1", "--device", "cpu", "--out_dir", "x", "--num_threads", "1"]
+    import train
+    cfg, model_args, _ = train.settings(argv)
+    report = {"config": {**vars(cfg), **model_args, "block_size": 17, "vocab_size": 16, "out_dir": "elsewhere"}}
+    assert study.settings_changed(argv, report) == {}  # derived settings and out_dir do not count
+    report["config"]["zero_digits_steps"] = 0
+    assert study.settings_changed(argv, report) == {"zero_digits_steps": (0, 400)}

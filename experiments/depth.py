@@ -154,7 +154,7 @@ def page(runs, args):
                      + ", ".join(f"`{n}`" for n in missing) + ".")
     lines.append("\n## CE (nats per byte) at each depth, and the worst rise past 4K: mean (min–max) over seeds\n")
     lines.append("| recipe | seeds | loops a step: all / with gradient | " + " | ".join(f"CE at {k}" for k in ks)
-                 + " | rise: worst of 16/32/64 − CE_K |\n|---|---|---|" + "---|" * (len(ks) + 1))
+                 + " | rise: worst of 16/32/64 (those ≥ 4K) − CE_K |\n|---|---|---|" + "---|" * (len(ks) + 1))
     for name, seeds in runs.items():
         reps = [rep for _, rep in seeds.values()]
         lines.append(f"| {name} | {len(seeds)} | {training_loops(reps[0]['config'])} | "

@@ -11,7 +11,8 @@ its train.py options, run once per seed (nanochat's runs/speedrun.sh, with seeds
 Each run lives in runs/<study>/<row>/s<seed>/ (train.py's ckpt.pt, log.jsonl, report.json, plots, and
 run.json: the command, its wall time, the commit and the machine). A run whose run.json holds the same
 command and that has its report.json is finished: it is not run again, so an interrupted study resumes
-where it stopped, and an interrupted run continues from its checkpoint (--init_from resume).
+where it stopped, and an interrupted run continues from its checkpoint (--init_from resume). A finished run
+whose command now resolves to other settings (a preset edited since) is run again, and left off the page.
 """
 import argparse
 import datetime
@@ -72,6 +73,18 @@ def same_command(meta, argv):
     return "argv" in meta and strip(meta["argv"]) == strip(argv)
 
 
+def settings_changed(argv, report):
+    """The settings argv resolves to now that differ from those the run's report holds (a preset edited since
+    it ran): {name: (then, now)}. out_dir and the derived vocab_size (and addition's block_size) left out."""
+    import train
+    cfg, model_args, _ = train.settings(argv)
+    now = {**vars(cfg), **model_args}
+    then = report.get("config", {})
+    skip = {"out_dir", "vocab_size"} | ({"block_size"} if now["task"] == "addition" else set())
+    return {k: (then[k], v) for k, v in now.items()
+            if k in then and k not in skip and then[k] != (list(v) if isinstance(v, tuple) else v)}
+
+
 def read_json(path):
     try:
         return json.load(open(path))
@@ -88,7 +101,11 @@ def run_one(argv, out_dir):
     if same and os.path.exists(rep_path) and os.path.exists(ckpt) and os.path.getmtime(rep_path) >= os.path.getmtime(ckpt):
         meta["finished"] = True  # (the final report is written after the final save: it finished)
     if same and meta.get("finished"):
-        return meta, read_json(rep_path)
+        changed = settings_changed(argv, read_json(rep_path))
+        if not changed:
+            return meta, read_json(rep_path)
+        print(f"{out_dir}: its settings changed since it ran ({fmt_changed(changed)}): running it again", flush=True)
+        same = False
     if not same and os.path.exists(out_dir):
         shutil.rmtree(out_dir)  # another command's run: its checkpoint must not be resumed under this one
     extra = ["--init_from", "resume"] if same and os.path.exists(ckpt) else []
@@ -121,12 +138,22 @@ def finished_runs(rows, args):
                 continue
             seed, path = int(d[1:]), os.path.join(folder, d)
             meta = read_json(os.path.join(path, "run.json"))
-            if meta.get("finished") and same_command(meta, command(rows[name], seed, path, args)):
+            argv = command(rows[name], seed, path, args)
+            if meta.get("finished") and same_command(meta, argv):
+                rep = renamed(read_json(os.path.join(path, "report.json")))
+                changed = settings_changed(argv, rep)
+                if changed:
+                    print(f"left off the page: {path} ran at other settings ({fmt_changed(changed)}); rerun the study")
+                    continue
                 meta["out_dir"] = path  # where the run is now (the runs folder may have moved since)
-                out.setdefault(name, {})[seed] = meta, renamed(read_json(os.path.join(path, "report.json")))
+                out.setdefault(name, {})[seed] = meta, rep
     if not out:
         raise SystemExit(f"no finished run in {args.runs} for these rows: run the study first")
     return out
+
+
+def fmt_changed(changed):
+    return ", ".join(f"{k} {a!r} then, {b!r} now" for k, (a, b) in changed.items())
 
 
 def run_all(rows, args):
