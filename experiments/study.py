@@ -192,6 +192,23 @@ def commit():
     return head + ("+changes" if dirty else "")
 
 
+TRAINING_CODE = ("looplm.py", "stars.py", "train.py", "report.py", "data.py", "checkpoint.py", "configurator.py", "config")
+
+
+def code_since(commits):
+    """Whether the code a run's numbers depend on (TRAINING_CODE) is the same at the runs' commits as in the
+    working tree: the page says so, or names the files that changed."""
+    what, changed = f"The code that trains and evaluates ({', '.join(TRAINING_CODE)})", set()
+    for c in commits:
+        r = subprocess.run(["git", "diff", "--name-only", c.split("+")[0], "--", *TRAINING_CODE], cwd=ROOT,
+                           capture_output=True, text=True)
+        if r.returncode:
+            return f"{what}: not compared with commit {c} (git could not read it)."
+        changed |= set(r.stdout.split()) | ({"(uncommitted changes)"} if "+" in c else set())
+    return (f"{what} changed since the runs' commits in {', '.join(sorted(changed))} (`git diff COMMIT -- FILE` "
+            "shows how)." if changed else f"{what} is the same at the runs' commits as here.")
+
+
 def machine():
     import torch
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
@@ -220,7 +237,9 @@ def provenance(runs, args):
             f" on {'; '.join(sorted({m['machine'] for m in metas}))}, {args.jobs} at once, "
             f"{args.threads if args.device == 'cpu' else 'n/a'} thread(s) each. "
             f"Wall time a run: {min(walls):.1f} to {max(walls):.1f} minutes; all runs {sum(walls) / 60:.1f} hours "
-            f"(about {sum(walls) / 60 / args.jobs:.1f} at {args.jobs} at once).\n")
+            f"(about {sum(walls) / 60 / args.jobs:.1f} at {args.jobs} at once). "
+            + code_since(sorted({m["commit"] for m in metas})) + " Every run's recorded settings are those its "
+            "command resolves to here (`study.settings_changed`).\n")
 
 
 def write_page(args, text, figures=()):
