@@ -46,7 +46,8 @@ class LoopLMConfig:
                            choices=("norm", "raw", "final_norm"))
     per_loop_ce: bool = setting(False, "train every loop's readout: mean_k CE_k (else CE_K only)")
     norm_penalty: float = setting(0.0, "Paper A's fix: loss += λ·mean_k mean(H_k²) (the paper: 0.01)", lo=0.0, hi=1e6)
-    loop_norm: bool = setting(False, "RMSNorm the state on the recurrent path between loops (Ouro-style)")
+    loop_norm: bool = setting(False, "RMSNorm the state on the recurrent path between loops (Ouro-style: "
+                              "arXiv 2510.25741)")
     loop_damping: float = setting(1.0, "α of a damped loop, H_k = H_{k-1} + α·(F(H_{k-1}) − H_{k-1}) for k ≥ 2 (1: the plain "
                                   "loop)", above=0.0, hi=1.0)
     block_norm: str = setting("pre", "pre: x+f(N(x)) | post: N(x+f(x)) | sandwich: N'(x+f(N(x))), Paper B's",
@@ -56,7 +57,8 @@ class LoopLMConfig:
     inject: bool = setting(False, "add the input embedding H_0 to the state at every loop after the first (so loop 1 "
                            "sees 0 + H_0: the state starts from zero)")
     state_noise: float = setting(0.0, "with inject, in training: loop 1 sees H_0 + Gaussian noise of this RMS relative to "
-                                 "H_0's (Huginn's random start; evaluation and sampling start from zero)", lo=0.0, hi=100.0)
+                                 "H_0's (Huginn's random start, arXiv 2502.05171; evaluation and sampling start from "
+                                 "zero)", lo=0.0, hi=100.0)
     state_noise_frac: float = setting(1.0, "the share of each batch's sequences that get state_noise; the rest start from "
                                       "zero, as at evaluation", lo=0.0, hi=1.0)
     norm: str = setting("rmsnorm", "every norm: rmsnorm (Paper A) | layernorm, with a bias (Paper B's code)",
@@ -239,7 +241,7 @@ class LoopLM(nn.Module):
         carried into the loop (LoopLM.carry; the first loop takes H_0 as it is), h0 (the embedding)
         is added when config.inject is on, then the shared stack F runs. cache is a list of
         per-layer dicts for this loop (KV cache, see sample.py). With loop_damping α < 1 the loop moves
-        only a fraction α of the way from H_{k-1} to F's output."""
+        only a fraction α of the way from H_{k-1} (as it came, before carry's norm) to F's output."""
         prev = h
         if not first:  # the first loop takes H_0 as it is (no 2·H_0 when injecting)
             h = self.carry(h)

@@ -418,7 +418,8 @@ def depth_table(reports):
         ax.plot([r["k"] for r in rep["per_loop"][:n]], [r["ce"] for r in rep["per_loop"][:n]], label=name,
                 color=plt.get_cmap("tab10")(i % 10), ls="-" if i < 10 else "--")
     best = min(r["ce"] for rep in reports.values() for r in rep["per_loop"][:n])
-    ax.set(xlabel="loops at inference", ylabel="validation CE (nats/token)", xscale="log", ylim=(best - 0.05, best + 1.0))
+    unit = "byte" if all(rep["config"].get("tokenizer") == "bytes" for rep in reports.values()) else "token"
+    ax.set(xlabel="loops at inference", ylabel=f"validation CE (nats/{unit})", xscale="log", ylim=(best - 0.05, best + 1.0))
     return fig, ax  # (the y axis stops 1 nat above the best CE: a collapsing run leaves the plot)
 
 

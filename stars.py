@@ -130,7 +130,8 @@ def sample_loops(generator, kind="lognormal", mu=2.0, sigma=0.7, loop_max=100, l
     gradient flows through every loop, as in Paper B's code) or b (truncated backprop through the
     last b loops only, LoopLM.loop_states(grad_loops=b); Huginn uses 8). Deterministic given the generator.
     fixed:             loop_max, always the same depth: the baseline, or with grad_loops a DEQ-style target
-                       (a deep state reached mostly without gradient, the gradient through its last loops).
+                       (a deep state reached mostly without gradient, the gradient through its last loops;
+                       deep equilibrium models, arXiv 1909.01377).
     lognormal:         t = clip(round(LogNormal(mu, sigma)), 1, loop_max). Paper B uses μ=2, σ=0.7,
                        loop_max=100 for addition and μ=1.7, σ=0.4, loop_max=16 for the Ouro fine-tune.
     poisson_lognormal: Huginn's sampler. τ ~ N(log r̄ − σ²/2, σ), so E[e^τ] = r̄ = loop_mean,

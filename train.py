@@ -190,8 +190,8 @@ def step_streams(cfg, it, rank, device):
     """Step `it`'s random streams, each a pure function of (seed, step, rank), so a resumed run replays the
     uninterrupted one (exactly on CPU). In the order a step draws from them:
     - depth: a generator of (seed, step), the same on every rank; the sampled depth is drawn first;
-    - batch: on rank 0 that same generator, after the depth (so runs of one seed share batches only if they
-      draw depths alike); on rank r its own, (seed + 7919·r, step);
+    - batch: on rank 0 that same generator, after the depth (so runs of one seed share batches only if their
+      samplers draw alike: fixed draws nothing, lognormal one number); on rank r its own, (seed + 7919·r, step);
     - penalty, STARS's direction v: on CPU the batch generator again, after the batch; on a GPU (seed, step, rank);
     - dropout and the random start's noise: torch's global generator, seeded here. Returns (depth, batch, penalty)."""
     torch.manual_seed(cfg.seed * 1_000_003 + it * 1009 + rank)
