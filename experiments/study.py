@@ -197,16 +197,39 @@ TRAINING_CODE = ("looplm.py", "stars.py", "train.py", "report.py", "data.py", "c
 
 def code_since(commits):
     """Whether the code a run's numbers depend on (TRAINING_CODE) is the same at the runs' commits as in the
-    working tree: the page says so, or names the files that changed."""
-    what, changed = f"The code that trains and evaluates ({', '.join(TRAINING_CODE)})", set()
+    working tree: the page says so, or names the files that changed, apart from those whose change is in
+    comments and docstrings only (the same syntax tree once docstrings are dropped)."""
+    what, changed, cosmetic = f"The code that trains and evaluates ({', '.join(TRAINING_CODE)})", set(), set()
     for c in commits:
         r = subprocess.run(["git", "diff", "--name-only", c.split("+")[0], "--", *TRAINING_CODE], cwd=ROOT,
                            capture_output=True, text=True)
         if r.returncode:
             return f"{what}: not compared with commit {c} (git could not read it)."
-        changed |= set(r.stdout.split()) | ({"(uncommitted changes)"} if "+" in c else set())
-    return (f"{what} changed since the runs' commits in {', '.join(sorted(changed))} (`git diff COMMIT -- FILE` "
-            "shows how)." if changed else f"{what} is the same at the runs' commits as here.")
+        for f in r.stdout.split():
+            old = subprocess.run(["git", "show", f"{c.split('+')[0]}:{f}"], cwd=ROOT, capture_output=True, text=True)
+            same = old.returncode == 0 and os.path.exists(os.path.join(ROOT, f)) and \
+                bare_tree(old.stdout) == bare_tree(open(os.path.join(ROOT, f)).read())
+            (cosmetic if same else changed).add(f)
+        changed |= {"(uncommitted changes)"} if "+" in c else set()
+    cosmetic -= changed
+    note = f" ({', '.join(sorted(cosmetic))}: comments and docstrings only)" if cosmetic else ""
+    return (f"{what} changed since the runs' commits in {', '.join(sorted(changed))}{note}; `git diff COMMIT -- FILE` "
+            "shows how." if changed else f"{what} is the same at the runs' commits as here{note}.")
+
+
+def bare_tree(source):
+    """A Python file's syntax tree without its docstrings (None if it does not parse)."""
+    import ast
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
+                getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
 
 
 def machine():
