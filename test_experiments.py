@@ -117,5 +117,9 @@ def test_a_run_whose_command_now_resolves_to_other_settings_is_told_apart():
     cfg, model_args, _ = train.settings(argv)
     report = {"config": {**vars(cfg), **model_args, "block_size": 17, "vocab_size": 16, "out_dir": "elsewhere"}}
     assert study.settings_changed(argv, report) == {}  # derived settings and out_dir do not count
+    report["config"]["data_dir"] = "/elsewhere"  # nor where the data was read from
+    assert study.settings_changed(argv, report) == {}
+    assert study.same_command({"argv": argv + ["--data_dir", "/x"]}, argv)
+    assert not study.same_command({"argv": argv + ["--dropout", "0.1"]}, argv)
     report["config"]["zero_digits_steps"] = 0
     assert study.settings_changed(argv, report) == {"zero_digits_steps": (0, 400)}

@@ -67,20 +67,24 @@ def command(options, seed, out_dir, args):
     return argv + shlex.split(args.train_args) + (shlex.split(args.quick_args) if args.quick else [])
 
 
+PLACES = ("--out_dir", "--data_dir", "--cache_dir")  # where a run and its data live, not what it is
+
+
 def same_command(meta, argv):
-    """Whether run.json's command is argv, wherever the runs folder is (--out_dir left out)."""
-    strip = lambda a: [v for i, v in enumerate(a) if v != "--out_dir" and (i == 0 or a[i - 1] != "--out_dir")]
+    """Whether run.json's command is argv, wherever the runs and the data are (PLACES left out: a run made
+    offline from --data_dir files is the run the hub's copy of the same text makes)."""
+    strip = lambda a: [v for i, v in enumerate(a) if v not in PLACES and (i == 0 or a[i - 1] not in PLACES)]
     return "argv" in meta and strip(meta["argv"]) == strip(argv)
 
 
 def settings_changed(argv, report):
     """The settings argv resolves to now that differ from those the run's report holds (a preset edited since
-    it ran): {name: (then, now)}. out_dir and the derived vocab_size (and addition's block_size) left out."""
+    it ran): {name: (then, now)}. PLACES and the derived vocab_size (and addition's block_size) left out."""
     import train
     cfg, model_args, _ = train.settings(argv)
     now = {**vars(cfg), **model_args}
     then = report.get("config", {})
-    skip = {"out_dir", "vocab_size"} | ({"block_size"} if now["task"] == "addition" else set())
+    skip = {"out_dir", "data_dir", "cache_dir", "vocab_size"} | ({"block_size"} if now["task"] == "addition" else set())
     return {k: (then[k], v) for k, v in now.items()
             if k in then and k not in skip and then[k] != (list(v) if isinstance(v, tuple) else v)}
 
