@@ -287,7 +287,8 @@ def gpu_check(args):
         launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                       "--standalone", "--nproc_per_node", str(nproc)]  # a free port
         ok = run(name, launch + ["train.py", preset, "--device", dev, "--out_dir", out] + extra, 300)
-        if not ok and nproc > 1:  # a distributed start-up can fail once (rendezvous, ports): one more try, on record
+        if not ok and nproc > 1 and summary[name]["rc"] != 124:  # a start-up can fail once (rendezvous, ports): once
+            # more, on record (not after a hang: that is a 300 s timeout already)
             first = summary[name]
             ok = run(name, launch + ["train.py", preset, "--device", dev, "--out_dir", out, "--overwrite"] + extra, 300)
             summary[name]["first_try"] = first

@@ -106,7 +106,8 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
     rep = json.load(open(rep_path))
     rep["config"]["learning_rate"] = 0.5
     rep_path.write_text(json.dumps(rep))
-    third = subprocess.run(cmd, cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
+    elsewhere = [sys.executable, os.path.join(HERE, "experiments/paper_b.py")] + cmd[2:]  # started from another folder
+    third = subprocess.run(elsewhere, cwd=tmp_path, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
     assert third.returncode == 0 and "its settings changed since it ran (learning_rate 0.5 then, 0.001 now)" in third.stdout
     assert json.load(open(rep_path))["config"]["learning_rate"] == 0.001
 
@@ -119,7 +120,12 @@ def test_a_run_whose_command_now_resolves_to_other_settings_is_told_apart():
     assert study.settings_changed(argv, report) == {}  # derived settings and out_dir do not count
     report["config"]["data_dir"] = "/elsewhere"  # nor where the data was read from
     assert study.settings_changed(argv, report) == {}
-    assert study.same_command({"argv": argv + ["--data_dir", "/x"]}, argv)
+    assert study.same_command({"argv": argv + ["--data_dir", "/x"]}, argv) and study.same_command({"argv": argv}, argv + ["--data_dir=/y"])
+    for how in ({"init_from": "resume"}, {"eval_only": True}):  # a resumed or re-evaluated run is the same run
+        assert study.settings_changed(argv, {"config": {**report["config"], **how}}) == {}
+    del report["config"]["stars_deep"]  # a setting added since the run: the same run while it is at its default
+    assert study.settings_changed(argv, report) == {}
+    assert study.settings_changed(argv, {}) == {"config": (None, "the command's")}
     assert not study.same_command({"argv": argv + ["--dropout", "0.1"]}, argv)
     report["config"]["zero_digits_steps"] = 0
     assert study.settings_changed(argv, report) == {"zero_digits_steps": (0, 400)}

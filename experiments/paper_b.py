@@ -87,12 +87,14 @@ def page(runs, args):
                      f"≥ 99% at every depth from 2 to {max(k for k in depths if k <= 64)} on "
                      f"{n(seeds, lambda r: all(acc(r, k) >= 0.99 for k in range(2, min(64, depths[-1]) + 1)))}; "
                      f"below 10% at every depth from 16 loops on: {n(seeds, lambda r: all(acc(r, k) < 0.1 for k in depths if k >= 16))}"
-                     + (f"; ρ < 1 at 64 loops: {n(seeds, lambda r: r['addition']['spectral_radius_answer']['64'] < 1)}"
+                     + (f"; ρ < 1 at 64 loops: {n(seeds, lambda r: (r['addition'].get('spectral_radius_answer', {}).get('64') or 9) < 1)}"
                         if 64 in deep else "") + ".")
     for new, old in (("stars", "sampling"), ("stars_supervised", "stars")):  # a recipe against the one it extends
         for k in (64, 100) if {new, old} <= runs.keys() else ():
             if k in depths:
                 both = [s for s in runs[new] if s in runs[old]]
+                if not both:
+                    continue
                 m = {name: sum(acc(runs[name][s][1], k) for s in both) / len(both) for name in (new, old)}
                 wins = sum(acc(runs[new][s][1], k) > acc(runs[old][s][1], k) for s in both)
                 lines.append(f"- at {k} loops, `{new}` {100 * m[new]:.1f}% against `{old}` {100 * m[old]:.1f}% "

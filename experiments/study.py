@@ -56,6 +56,7 @@ def parse(study, doc, default_seeds, quick_args):
     args.runs = os.path.abspath(args.runs or os.path.join(ROOT, "runs", study + ("-quick" if args.quick else "")))
     args.out = os.path.abspath(args.out or (args.runs if args.quick else os.path.dirname(os.path.abspath(sys.argv[0]))))
     os.makedirs(args.out, exist_ok=True)
+    os.chdir(ROOT)  # where train.py runs and its presets' paths start (--runs and --out are absolute by now)
     return args
 
 
@@ -73,20 +74,29 @@ PLACES = ("--out_dir", "--data_dir", "--cache_dir")  # where a run and its data 
 def same_command(meta, argv):
     """Whether run.json's command is argv, wherever the runs and the data are (PLACES left out: a run made
     offline from --data_dir files is the run the hub's copy of the same text makes)."""
-    strip = lambda a: [v for i, v in enumerate(a) if v not in PLACES and (i == 0 or a[i - 1] not in PLACES)]
+    strip = lambda a: [v for i, v in enumerate(a) if v not in PLACES and (i == 0 or a[i - 1] not in PLACES)
+                       and not v.startswith(tuple(p + "=" for p in PLACES))]
     return "argv" in meta and strip(meta["argv"]) == strip(argv)
 
 
 def settings_changed(argv, report):
     """The settings argv resolves to now that differ from those the run's report holds (a preset edited since
-    it ran): {name: (then, now)}. PLACES and the derived vocab_size (and addition's block_size) left out."""
+    it ran): {name: (then, now)}. A setting the report lacks (added since) counts if it is off its default; a
+    report without settings counts as changed. Left out: PLACES, how the run was started (init_from, eval_only,
+    overwrite, compare: a resumed run is the same run) and the derived vocab_size (and addition's block_size)."""
     import train
+    from dataclasses import fields
     cfg, model_args, _ = train.settings(argv)
     now = {**vars(cfg), **model_args}
-    then = report.get("config", {})
-    skip = {"out_dir", "data_dir", "cache_dir", "vocab_size"} | ({"block_size"} if now["task"] == "addition" else set())
-    return {k: (then[k], v) for k, v in now.items()
-            if k in then and k not in skip and then[k] != (list(v) if isinstance(v, tuple) else v)}
+    defaults = {f.name: f.default for c in (train.TrainConfig, train.LoopLMConfig) for f in fields(c)}
+    then = report.get("config")
+    if not then:
+        return {"config": (None, "the command's")}
+    skip = {"out_dir", "data_dir", "cache_dir", "init_from", "eval_only", "overwrite", "compare", "vocab_size"} | (
+        {"block_size"} if now["task"] == "addition" else set())
+    as_json = lambda v: list(v) if isinstance(v, tuple) else v
+    return {k: (then.get(k, defaults.get(k)), v) for k, v in now.items()
+            if k not in skip and as_json(v) != as_json(then.get(k, defaults.get(k)))}
 
 
 def read_json(path):
@@ -212,7 +222,7 @@ def code_since(commits):
         for f in r.stdout.split():
             old = subprocess.run(["git", "show", f"{c.split('+')[0]}:{f}"], cwd=ROOT, capture_output=True, text=True)
             same = old.returncode == 0 and os.path.exists(os.path.join(ROOT, f)) and \
-                bare_tree(old.stdout) == bare_tree(open(os.path.join(ROOT, f)).read())
+                bare_tree(old.stdout) is not None and bare_tree(old.stdout) == bare_tree(open(os.path.join(ROOT, f)).read())
             (cosmetic if same else changed).add(f)
         changed |= {"(uncommitted changes)"} if "+" in c else set()
     cosmetic -= changed
