@@ -214,11 +214,15 @@ def test_train_resume_replays_the_uninterrupted_run_exactly(case, train_data_arg
     half = str(tmp_path / "half")
     assert run_train(TRAIN_TINY + train_data_args + extra + ["--out_dir", half, "--max_iters", 3]) == 0
     assert checkpoint.load_checkpoint(half)["iter_num"] == 3
-    with open(os.path.join(half, "log.jsonl"), "a") as f:  # rows of a run killed after the checkpoint, and a torn line
+    log = os.path.join(half, "log.jsonl")
+    rows = [json.loads(line) for line in open(log)]
+    open(log, "w").write("".join(json.dumps({**r, "marker": 1}) + "\n" for r in rows))  # (a restart would drop it)
+    with open(log, "a") as f:  # rows of a run killed after the checkpoint, and a torn line
         f.write(json.dumps({"iter": 4, "loss": 9.9}) + "\n" + '{"iter": 5, "lo')
     assert run_train(TRAIN_TINY + train_data_args + extra + ["--out_dir", half, "--init_from", "resume", "--max_iters", 6]) == 0
     a, b = train_losses(full), train_losses(half)
     assert [r["iter"] for r in a] == [r["iter"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [r.get("marker") for r in b] == [1, 1, 1, None, None, None]  # steps 1-3 kept: resumed, not restarted
     assert [r["loops"] for r in a] == [r["loops"] for r in b]
     assert [r["loss"] for r in a] == [r["loss"] for r in b]  # exactly: the same floats on CPU
     if case == "lognormal_stars":
