@@ -61,23 +61,21 @@ def page(runs, args):
     lines.append("\n## Paper A's claims, seed by seed\n")
     lines += claims(runs)
     fig, ax = plt.subplots(1, 3, figsize=(15, 3.8))
-    at_K, lowest, first = [], [], []  # the PPL axis: linear, to 1.25x the worst PPL at K (a terminal row's loop 1 runs off it)
+    curves = []  # the PPL axis: linear, to 1.25x the worst PPL at K (a terminal row's loop 1 runs off it)
     for name, seeds in runs.items():
         ks = [r["k"] for r in next(iter(seeds.values()))[1]["per_loop"]]
         mean = lambda key: [sum(rep["per_loop"][k - 1][key] for _, rep in seeds.values()) / len(seeds) for k in ks]
-        ax[0].plot(ks, mean("ppl"), "o-", label=name)
-        at_K.append(mean("ppl")[-1])
-        lowest.append(min(mean("ppl")))
-        first.append(mean("ppl")[0])
+        curves.append(mean("ppl"))
+        ax[0].plot(ks, curves[-1], "o-", label=name)
         ax[1].semilogy(ks, mean("norm_mean"), "o-", label=name)
         reps = [rep for _, rep in seeds.values()]
         at3 = sum(rep["per_loop"][2]["norm_mean"] for rep in reps) / len(reps)  # ‖H_3‖: where s = 1 sits
         probe = [sum(rep["per_loop"][3]["scale_probe"][i] for rep in reps) / len(reps) for i in range(len(SCALES))]
         line, = ax[2].loglog([s * at3 for s in SCALES], probe, "-", lw=1)
         ax[2].loglog([at3], [probe[SCALES.index(1)]], "o", color=line.get_color())
-    top = 1.25 * max(at_K)
-    ax[0].set(xlabel="loop k", ylabel="validation PPL (seed mean)", ylim=(0.9 * min(lowest), top),
-              title="early loops above the top: off the axis" if max(first) > top else "")
+    top = 1.25 * max(c[-1] for c in curves)
+    ax[0].set(xlabel="loop k", ylabel="validation PPL (seed mean)", ylim=(0.9 * min(min(c) for c in curves), top),
+              title="early loops above the top: off the axis" if max(c[0] for c in curves) > top else "")
     ax[1].set(xlabel="loop k", ylabel="mean per-token ‖H_k‖₂ (seed mean)")
     ax[2].set(xlabel="‖s·H_3‖ (dot: s = 1, the trained state)", ylabel="loop 4's relative step (seed mean)")
     ax[2].legend(ax[1].get_lines(), list(runs), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))

@@ -36,6 +36,7 @@ def page(runs, args):
     mr = study.mean_range
     depths = [k for k in DEPTHS if all(str(k) in rep["addition"]["accuracy"] for r in runs.values() for _, rep in r.values())]
     acc = lambda rep, k, proto="accuracy": rep["addition"].get(proto, {}).get(str(k))
+    rho = lambda rep, k: rep["addition"].get("spectral_radius_answer", {}).get(str(k))  # at the answer positions
     pct = lambda v: study.mean_range([v], ".1f", 100)  # one seed's value in %, "n/a" if its report lacks it
     n_test = next(iter(next(iter(runs.values())).values()))[1]["config"]["eval_problems"]
     K = next(iter(next(iter(runs.values())).values()))[1]["config"]["n_loops"]
@@ -59,8 +60,7 @@ def page(runs, args):
         lines.append("|---|" + "---|" * 2 * len(deep))
     for name, seeds in (runs.items() if deep else ()):
         reps = [rep["addition"] for _, rep in seeds.values()]
-        lines.append(f"| {name} | " + " | ".join(mr([a.get("spectral_radius_answer", {}).get(str(k)) for a in reps], ".3f")
-                                                  for k in deep)
+        lines.append(f"| {name} | " + " | ".join(mr([rho(rep, k) for _, rep in seeds.values()], ".3f") for k in deep)
                      + " | " + " | ".join(mr([a.get("relative_step", {}).get(str(k)) for a in reps], ".1e") for k in deep) + " |")
     lines.append(f"\n## Each seed: strict exact match (%) at {K}, 64 and 100 loops; when it left the plateau\n")
     lines.append("On the loss plateau the model gets the space and the last answer position right and every other digit "
@@ -87,8 +87,7 @@ def page(runs, args):
                      f"≥ 99% at every depth from 2 to {max(k for k in depths if k <= 64)} on "
                      f"{n(seeds, lambda r: all(acc(r, k) >= 0.99 for k in range(2, min(64, depths[-1]) + 1)))}; "
                      f"below 10% at every depth from 16 loops on: {n(seeds, lambda r: all(acc(r, k) < 0.1 for k in depths if k >= 16))}"
-                     + (f"; ρ < 1 at 64 loops: {n(seeds, lambda r: (r['addition'].get('spectral_radius_answer', {}).get('64') or 9) < 1)}"
-                        if 64 in deep else "") + ".")
+                     + (f"; ρ < 1 at 64 loops: {n(seeds, lambda r: (rho(r, 64) or 1) < 1)}" if 64 in deep else "") + ".")
     for new, old in (("stars", "sampling"), ("stars_supervised", "stars")):  # a recipe against the one it extends
         for k in (64, 100) if {new, old} <= runs.keys() else ():
             if k in depths:

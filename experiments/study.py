@@ -92,7 +92,7 @@ def settings_changed(argv, report):
     then = report.get("config")
     if not then:
         return {"config": (None, "the command's")}
-    skip = {"out_dir", "data_dir", "cache_dir", "init_from", "eval_only", "overwrite", "compare", "vocab_size"} | (
+    skip = {p[2:] for p in PLACES} | {"init_from", "eval_only", "overwrite", "compare", "vocab_size"} | (
         {"block_size"} if now["task"] == "addition" else set())
     as_json = lambda v: list(v) if isinstance(v, tuple) else v
     return {k: (then.get(k, defaults.get(k)), v) for k, v in now.items()
@@ -214,16 +214,17 @@ def code_since(commits):
     working tree: the page says so, or names the files that changed, apart from those whose change is in
     comments and docstrings only (the same syntax tree once docstrings are dropped)."""
     what, changed, cosmetic = f"The code that trains and evaluates ({', '.join(TRAINING_CODE)})", set(), set()
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
     for c in commits:
-        r = subprocess.run(["git", "diff", "--name-only", c.split("+")[0], "--", *TRAINING_CODE], cwd=ROOT,
-                           capture_output=True, text=True)
+        rev = c.split("+")[0]
+        r = git("diff", "--name-only", rev, "--", *TRAINING_CODE)
         if r.returncode:
             return f"{what}: not compared with commit {c} (git could not read it)."
         for f in r.stdout.split():
-            old = subprocess.run(["git", "show", f"{c.split('+')[0]}:{f}"], cwd=ROOT, capture_output=True, text=True)
-            same = old.returncode == 0 and os.path.exists(os.path.join(ROOT, f)) and \
-                bare_tree(old.stdout) is not None and bare_tree(old.stdout) == bare_tree(open(os.path.join(ROOT, f)).read())
-            (cosmetic if same else changed).add(f)
+            old, path = git("show", f"{rev}:{f}"), os.path.join(ROOT, f)
+            then = bare_tree(old.stdout) if old.returncode == 0 else None
+            (cosmetic if then is not None and os.path.exists(path) and then == bare_tree(open(path).read())
+             else changed).add(f)
         changed |= {"(uncommitted changes)"} if "+" in c else set()
     cosmetic -= changed
     note = f" ({', '.join(sorted(cosmetic))}: comments and docstrings only)" if cosmetic else ""
