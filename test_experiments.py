@@ -77,7 +77,8 @@ def test_depth_page_shows_the_runs_and_names_the_rows_not_run(tmp_path):
         meta = {"commit": "abc1234", "machine": "test", "wall_s": 60.0, "date": "2026-12-03T00:00:00"}
         return meta, {"config": {"n_loops": 4, "max_iters": 600}, "per_loop": rows}
     runs = {"baseline": {1: run(2.0, 1), 2: run(2.2, 2)}}
-    args = argparse.Namespace(study="depth", out=str(tmp_path), quick=False, jobs=2, threads=1, device="cpu")
+    args = argparse.Namespace(study="depth", out=str(tmp_path), runs=str(tmp_path), quick=False, jobs=2, threads=1,
+                              device="cpu")
     text, pngs = depth.page(runs, args)
     assert "| 2.100 (2.000–2.200) |" in text and "| +0.010 (+0.010–+0.010) |" in text
     not_run = next(line for line in text.splitlines() if line.startswith("Rows of the script not run"))
@@ -101,6 +102,20 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
     again = subprocess.run(cmd, cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "done: baseline seed 1 (" in again.stdout
     assert metas["baseline"] == json.load(open(tmp_path / "runs" / "baseline" / "s1" / "run.json"))  # not run again
+    # --verify trains the first row again from scratch, beside the runs: every number the same, and the page says so
+    check = subprocess.run(cmd + ["--verify"], cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
+    assert check.returncode == 0, check.stderr[-2000:]
+    verdict = json.load(open(tmp_path / "runs" / "verify.json"))["baseline"]
+    assert verdict["differ"] == 0 and verdict["numbers"] > 20 and (tmp_path / "runs-verify" / "baseline" / "s1" / "ckpt.pt").exists()
+    assert f"with the same numbers, all {verdict['numbers']:,}" in (tmp_path / "paper_b-quick.md").read_text()
+    assert metas["baseline"] == json.load(open(tmp_path / "runs" / "baseline" / "s1" / "run.json"))  # the run kept
+    kept = tmp_path / "runs" / "baseline" / "s1" / "report.json"
+    rep = json.load(open(kept))
+    rep["addition"]["accuracy"]["4"] += 0.5  # the kept run's number moved: the check must see it
+    kept.write_text(json.dumps(rep))
+    assert subprocess.run(cmd + ["--verify"], cwd=HERE, env=TRAIN_ENV, capture_output=True, timeout=600).returncode == 0
+    verdict = json.load(open(tmp_path / "runs" / "verify.json"))["baseline"]
+    assert verdict["differ"] == 1 and verdict["first_differences"][0][0] == "[0].addition.accuracy.4"
     # a preset edited since a run finished (here: its report says another learning rate): run again, not reused
     rep_path = tmp_path / "runs" / "baseline" / "s1" / "report.json"
     rep = json.load(open(rep_path))
@@ -110,6 +125,14 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
     third = subprocess.run(elsewhere, cwd=tmp_path, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
     assert third.returncode == 0 and "its settings changed since it ran (learning_rate 0.5 then, 0.001 now)" in third.stdout
     assert json.load(open(rep_path))["config"]["learning_rate"] == 0.001
+
+
+def test_differences_count_every_number_and_name_each_that_differs():
+    a = {"config": {"lr": 1}, "per_loop": [{"ce": 2.0, "ppl": 7.4}], "rho": float("nan"), "note": "x"}
+    b = {"config": {"lr": 2}, "per_loop": [{"ce": 2.0, "ppl": 7.5}], "rho": float("nan"), "note": "x"}
+    assert study.differences([a, [{"iter": 10, "tokens_per_s": 1.0}]], [b, [{"iter": 10, "tokens_per_s": 9.0}]]) == (
+        4, [("[0].per_loop[0].ppl", 7.4, 7.5)])  # settings and speed left out; NaN is NaN; a string is no number
+    assert study.differences({"k": [1, 2]}, {"k": [1]}) == (0, [("k", "list of 2", "list of 1")])
 
 
 def test_a_run_whose_command_now_resolves_to_other_settings_is_told_apart():
@@ -129,3 +152,15 @@ def test_a_run_whose_command_now_resolves_to_other_settings_is_told_apart():
     assert not study.same_command({"argv": argv + ["--dropout", "0.1"]}, argv)
     report["config"]["zero_digits_steps"] = 0
     assert study.settings_changed(argv, report) == {"zero_digits_steps": (0, 400)}
+
+
+@pytest.mark.slow
+def test_quickstart_quick_times_the_readme_commands_and_writes_their_page(tmp_path):
+    cmd = [sys.executable, "experiments/quickstart.py", "--quick", "--out", str(tmp_path), "--runs", str(tmp_path / "runs")]
+    r = subprocess.run(cmd, cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    page = (tmp_path / "quickstart-quick.md").read_text()
+    rep = json.load(open(tmp_path / "runs" / "cpu-tiny-raw" / "s1" / "report.json"))
+    assert f"| `python train.py config/cpu_tiny.py --readout raw` | " in page
+    assert f"PPL loop 1 → 4: {rep['per_loop'][0]['ppl']:.3f} → {rep['per_loop'][3]['ppl']:.3f}" in page
+    assert "`cpu-tiny-raw`'s end-of-run sample: \"The" in page and (tmp_path / "compare_norms.png").stat().st_size > 0

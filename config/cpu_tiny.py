@@ -17,5 +17,6 @@ eval_interval = 600            # once, at the end of a 2-minute run
 eval_iters = 10
 per_loop_ce = True
 out_dir = "out-cpu-tiny"
+seed = 1                      # experiments/quickstart.py adds --seed 1: the same run
 device = "cpu"
 sample_tokens = 300

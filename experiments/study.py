@@ -13,6 +13,8 @@ run.json: the command, its wall time, the commit and the machine). A run whose r
 command and that has its report.json is finished: it is not run again, so an interrupted study resumes
 where it stopped, and an interrupted run continues from its checkpoint (--init_from resume). A finished run
 whose command now resolves to other settings (a preset edited since) is run again, and left off the page.
+Whether code changed since the runs moves their numbers, --verify tells: it trains a row's first seed again at
+this commit and compares every number (the page's header gives the verdict).
 """
 import argparse
 import datetime
@@ -32,12 +34,12 @@ from data import atomic_write_text  # noqa: E402
 from report import renamed  # noqa: E402
 
 
-def parse(study, doc, default_seeds, quick_args):
+def parse(study, doc, default_seeds, quick_args, jobs=2, threads=1):
     p = argparse.ArgumentParser(prog=f"experiments/{study}.py", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", default=default_seeds, help=f"comma-separated seeds (default {default_seeds})")
-    p.add_argument("--jobs", type=int, default=2, help="runs at once (default 2: one a core on a 2-core CPU)")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads a run (default 1)")
+    p.add_argument("--jobs", type=int, default=jobs, help=f"runs at once (default {jobs})")
+    p.add_argument("--threads", type=int, default=threads, help=f"CPU threads a run (0: torch's default; default {threads})")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N: passed to every run (default cpu)")
     p.add_argument("--rows", default="", help="comma-separated row names: only these (default: every row)")
     p.add_argument("--runs", default="", help=f"folder of the runs (default runs/{study}, runs/{study}-quick)")
@@ -47,6 +49,8 @@ def parse(study, doc, default_seeds, quick_args):
     p.add_argument("--quick", action="store_true", help="two rows, one seed, a few steps: checks the pipeline")
     p.add_argument("--dry_run", action="store_true", help="print the commands and exit")
     p.add_argument("--page_only", action="store_true", help="run nothing: the page from the runs that have finished")
+    p.add_argument("--verify", action="store_true", help="train the first seed of each row in --rows (default: the first "
+                   "row) again from scratch here, compare every number with its finished run, then write the page")
     args = p.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     if args.quick:
@@ -184,7 +188,9 @@ def run_all(rows, args):
         print(f"python train.py {shlex.join(argvs[name, seed])}")
     if args.dry_run:
         raise SystemExit(0)
-    if not args.page_only:
+    if args.verify:
+        verify(chosen if args.rows else dict(list(chosen.items())[:1]), args)
+    elif not args.page_only:
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = {(name, seed): pool.submit(run_one, argvs[name, seed], d) for name, seed, d in jobs}
             try:
@@ -194,6 +200,48 @@ def run_all(rows, args):
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
     return finished_runs(rows, args)
+
+
+def verify(rows, args):
+    """--verify: whether the code changed since a row's runs moves their results. Its first seed is trained again from
+    scratch at this commit, in runs/<study>-verify/, and every number of the new report.json and log.jsonl is compared
+    with the finished run's (settings and tokens/s left out). The outcome, by row, goes to runs/<study>/verify.json,
+    which the page's header states."""
+    from checkpoint import read_log
+    seed, path = args.seeds[0], os.path.join(args.runs, "verify.json")
+    kept = {name: finished_runs({name: rows[name]}, args).get(name, {}).get(seed) for name in rows}
+    missing = [name for name, run in kept.items() if run is None]
+    if missing:
+        raise SystemExit(f"--verify: no finished run of {', '.join(missing)} seed {seed} to compare with: run the study first")
+    dirs = {name: os.path.join(args.runs + "-verify", name, f"s{seed}") for name in rows}
+    for d in dirs.values():
+        shutil.rmtree(d, ignore_errors=True)  # from scratch: never a finished or resumed earlier check
+    with ThreadPoolExecutor(args.jobs) as pool:
+        new = dict(zip(rows, pool.map(lambda n: run_one(command(rows[n], seed, dirs[n], args), dirs[n]), rows)))
+    checks = read_json(path)
+    for name, (meta, rep) in new.items():
+        n, diffs = differences([renamed(rep), read_log(dirs[name])], [kept[name][1], read_log(kept[name][0]["out_dir"])])
+        checks[name] = {"seed": seed, "commit": meta["commit"], "runs_commit": kept[name][0]["commit"], "numbers": n,
+                        "differ": len(diffs), "first_differences": diffs[:3], "wall_s": meta["wall_s"]}
+        print(f"--verify {name} seed {seed}: {len(diffs)} of {n} numbers differ from the run at {kept[name][0]['commit']}"
+              + "".join(f"; {p}: {a!r} now, {b!r} then" for p, a, b in diffs[:3]))
+    atomic_write_text(path, json.dumps(checks, indent=1))
+
+
+def differences(a, b, where=""):
+    """(how many numbers a holds, [(where, a's value, b's) for each leaf that differs]) of two JSON values; the
+    settings ("config") and the speed ("tokens_per_s") are left out."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        parts = [differences(a.get(k), b.get(k), f"{where}.{k}") for k in sorted(a.keys() | b.keys())
+                 if k not in ("config", "tokens_per_s")]
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        parts = [differences(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b))]
+    else:
+        number = isinstance(a, (int, float)) and not isinstance(a, bool)
+        same = a == b or (number and isinstance(b, float) and a != a and b != b)  # NaN == NaN here
+        short = lambda v: f"{type(v).__name__} of {len(v)}" if isinstance(v, (list, dict)) else v
+        return int(number), [] if same else [(where.lstrip("."), short(a), short(b))]
+    return sum(n for n, _ in parts), [d for _, ds in parts for d in ds]
 
 
 # ---------------------------------------------------------------- the page
@@ -206,30 +254,39 @@ def commit():
     return head + ("+changes" if dirty else "")
 
 
-TRAINING_CODE = ("looplm.py", "stars.py", "train.py", "report.py", "data.py", "checkpoint.py", "configurator.py", "config")
+TRAINING_CODE = ("looplm.py", "stars.py", "train.py", "report.py", "data.py", "checkpoint.py", "configurator.py")
+# (the presets, config/, are checked run by run: settings_changed)
 
 
 def code_since(commits):
-    """Whether the code a run's numbers depend on (TRAINING_CODE) is the same at the runs' commits as in the
-    working tree: the page says so, or names the files that changed, apart from those whose change is in
-    comments and docstrings only (the same syntax tree once docstrings are dropped)."""
-    what, changed, cosmetic = f"The code that trains and evaluates ({', '.join(TRAINING_CODE)})", set(), set()
+    """The files of TRAINING_CODE that differ between the commits and the working tree, as (changed, cosmetic):
+    cosmetic those whose change is in comments and docstrings only (the same syntax tree once docstrings are
+    dropped). None if git cannot read a commit."""
+    changed, cosmetic = set(), set()
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
     for c in commits:
         rev = c.split("+")[0]
         r = git("diff", "--name-only", rev, "--", *TRAINING_CODE)
         if r.returncode:
-            return f"{what}: not compared with commit {c} (git could not read it)."
+            return None
         for f in r.stdout.split():
             old, path = git("show", f"{rev}:{f}"), os.path.join(ROOT, f)
             then = bare_tree(old.stdout) if old.returncode == 0 else None
             (cosmetic if then is not None and os.path.exists(path) and then == bare_tree(open(path).read())
              else changed).add(f)
         changed |= {"(uncommitted changes)"} if "+" in c else set()
-    cosmetic -= changed
-    note = f" ({', '.join(sorted(cosmetic))}: comments and docstrings only)" if cosmetic else ""
-    return (f"{what} changed since the runs' commits in {', '.join(sorted(changed))}{note}; `git diff COMMIT -- FILE` "
-            "shows how." if changed else f"{what} is the same at the runs' commits as here{note}.")
+    return changed, cosmetic - changed
+
+
+def since(commits):
+    """code_since in words: "changed in a.py, b.py (c.py: comments and docstrings only)", or "unchanged"."""
+    c = code_since(commits)
+    if c is None:
+        return f"not compared (git could not read commit {', '.join(commits)})"
+    changed, cosmetic = c
+    note = f"{', '.join(sorted(cosmetic))}: comments and docstrings only" if cosmetic else ""
+    return (f"changed in {', '.join(sorted(changed))}" + (f" ({note})" if note else "") if changed
+            else "unchanged" + (f" but for comments and docstrings ({note})" if note else ""))
 
 
 def bare_tree(source):
@@ -263,21 +320,38 @@ def mean_range(values, fmt=".1f", scale=1.0):
 
 
 def provenance(runs, args):
-    """The page's header lines: the page's commit and the runs', dates, machine(s), seeds, wall times."""
+    """The page's header: its commit; the runs' commits, dates, machine(s), seeds and wall times; whether the code
+    changed since, and what --verify found."""
     metas = [m for seeds in runs.values() for m, _ in seeds.values()]
     walls = [m.get("wall_s", 0) / 60 for m in metas]
     dates = sorted(m.get("date", "?")[:10] for m in metas)
     cmd = shlex.join([f"experiments/{args.study}.py", *sys.argv[1:]])
     seeds = sorted({s for r in runs.values() for s in r})
-    return (f"Generated by `python {cmd}` at commit {commit()} ({len(metas)} finished runs, seeds "
-            f"{', '.join(map(str, seeds))}). Runs at commit {', '.join(sorted({m['commit'] for m in metas}))}. "
-            f"Runs dated {dates[0]}" + (f" to {dates[-1]}" if dates[-1] != dates[0] else "") +
-            f" on {'; '.join(sorted({m['machine'] for m in metas}))}, {args.jobs} at once, "
-            f"{args.threads if args.device == 'cpu' else 'n/a'} thread(s) each. "
-            f"Wall time a run: {min(walls):.1f} to {max(walls):.1f} minutes; all runs {sum(walls) / 60:.1f} hours "
-            f"(about {sum(walls) / 60 / args.jobs:.1f} at {args.jobs} at once). "
-            + code_since(sorted({m["commit"] for m in metas})) + " Every run's recorded settings are those its "
-            "command resolves to here (`study.settings_changed`).\n")
+    commits = sorted({m["commit"] for m in metas})
+    threads = {0: "torch's default threads", 1: "1 thread each"}.get(args.threads, f"{args.threads} threads each")
+    lines = [f"Generated by `python {cmd}` at commit {commit()}.\n",
+             f"- **Runs:** {len(metas)} finished, seeds {', '.join(map(str, seeds))}, at commit {', '.join(commits)}, "
+             f"dated {dates[0]}" + (f" to {dates[-1]}" if dates[-1] != dates[0] else "") +
+             f"; {'; '.join(sorted({m['machine'] for m in metas}))}; {args.jobs} at once, "
+             f"{threads if args.device == 'cpu' else 'on ' + args.device}. A run took {min(walls):.1f} to {max(walls):.1f} "
+             f"minutes; all runs {sum(walls) / 60:.1f} hours" +
+             (f" (about {sum(walls) / 60 / args.jobs:.1f} at {args.jobs} at once)." if args.jobs > 1 else "."),
+             "- **Settings:** every run's recorded settings are those its command, presets included, resolves to "
+             "here (`study.settings_changed`).",
+             f"- **Code since the runs:** the Python that trains and evaluates ({', '.join(TRAINING_CODE)}) "
+             f"{since(commits)}."]
+    checks = {name: c for name, c in read_json(os.path.join(args.runs, "verify.json")).items() if name in runs}
+    for name, c in checks.items():
+        diff = ("the same numbers, all " + f"{c['numbers']:,}" if not c["differ"] else
+                f"{c['differ']:,} of {c['numbers']:,} numbers differ (" +
+                "; ".join(f"{p}: {a!r} now, {b!r} then" for p, a, b in c["first_differences"]) + ")")
+        lines.append(f"- **Rerun check** (`--verify`): at commit {c['commit']}, `{name}` seed {c['seed']} (run at "
+                     f"{c['runs_commit']}), trained again from scratch, gives its run's report.json and log.jsonl with "
+                     f"{diff}. Code since this check: {since([c['commit']])}.")
+    if not checks and commits != [commit()]:
+        lines.append("- **Rerun check:** none yet (`--verify` trains a row's run again at this commit and compares "
+                     "every number).")
+    return "\n".join(lines) + "\n"
 
 
 def write_page(args, text, figures=()):
