@@ -107,15 +107,18 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
     assert check.returncode == 0, check.stderr[-2000:]
     verdict = json.load(open(tmp_path / "runs" / "verify.json"))["baseline"]
     assert verdict["differ"] == 0 and verdict["numbers"] > 20 and (tmp_path / "runs-verify" / "baseline" / "s1" / "ckpt.pt").exists()
-    assert f"with the same numbers, all {verdict['numbers']:,}" in (tmp_path / "paper_b-quick.md").read_text()
+    verdict_line = f"seed 1 (run at {verdict['runs_commit']}) at commit {verdict['commit']}: all {verdict['numbers']:,} the same"
+    assert verdict_line in (tmp_path / "paper_b-quick.md").read_text()
     assert metas["baseline"] == json.load(open(tmp_path / "runs" / "baseline" / "s1" / "run.json"))  # the run kept
     kept = tmp_path / "runs" / "baseline" / "s1" / "report.json"
     rep = json.load(open(kept))
     rep["addition"]["accuracy"]["4"] += 0.5  # the kept run's number moved: the check must see it
+    del rep["addition"]["accuracy_public"]  # and a diagnostic it lacks (added since it ran) is no difference
     kept.write_text(json.dumps(rep))
     assert subprocess.run(cmd + ["--verify"], cwd=HERE, env=TRAIN_ENV, capture_output=True, timeout=600).returncode == 0
     verdict = json.load(open(tmp_path / "runs" / "verify.json"))["baseline"]
     assert verdict["differ"] == 1 and verdict["first_differences"][0][0] == "[0].addition.accuracy.4"
+    assert verdict["added"] == ["[0].addition.accuracy_public"]
     # a preset edited since a run finished (here: its report says another learning rate): run again, not reused
     rep_path = tmp_path / "runs" / "baseline" / "s1" / "report.json"
     rep = json.load(open(rep_path))

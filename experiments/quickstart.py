@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def page(runs, args):
+    from checkpoint import read_log
     from report import compare_runs
     reps = [rep for seeds in runs.values() for _, rep in seeds.values()]
     n_test = next((r["config"]["eval_problems"] for r in reps if "addition" in r), 0)
@@ -44,12 +45,19 @@ def page(runs, args):
     total = sum(m["wall_s"] for seeds in runs.values() for m, _ in seeds.values())
     lines.append(f"\nAll {sum(map(len, runs.values()))} runs: {total / 60:.1f} minutes (the two `--compare` commands take "
                  "seconds).\n")
-    for name, paper_b in PAPER_B.items():  # the same settings as the Paper B page's seed-1 run: the same numbers?
-        there = study.read_json(os.path.join(os.path.dirname(args.runs), "paper_b", paper_b, "s1", "report.json"))
-        if name in runs and there:
-            same = next(iter(runs[name].values()))[1]["addition"]["accuracy"] == there["addition"]["accuracy"]
-            lines.append(f"- `{name}` against the Paper B page's `{paper_b}` seed 1 (one thread, beside another run): "
-                         + ("the same exact match at every depth 1..100." if same else "**other numbers**."))
+    for name, paper_b in PAPER_B.items():  # the same settings as the Paper B page's seed-1 run, but its threads
+        there = os.path.join(os.path.dirname(args.runs), "paper_b", paper_b, "s1")
+        if name in runs and os.path.exists(os.path.join(there, "report.json")):
+            meta, rep = next(iter(runs[name].values()))
+            a, b = rep["addition"]["accuracy"], study.read_json(os.path.join(there, "report.json"))["addition"]["accuracy"]
+            same = [k for k in a if a[k] == b.get(k)]
+            log, log_there = read_log(meta["out_dir"]), read_log(there)
+            first = next((r["iter"] for r, t in zip(log, log_there) if study.differences(r, t)[1]), None)
+            lines.append(f"- `{name}` against the Paper B page's `{paper_b}` seed 1 (the same settings, run with one "
+                         f"thread): strict exact match the same at {len(same)} of {len(a)} depths 1..{max(map(int, a))}"
+                         + (f", at most {100 * max(abs(a[k] - b.get(k, 0)) for k in a):.1f} points apart" if len(same) < len(a) else "")
+                         + (f"; the training logs part at step {first} (the one difference: torch's default threads here, one there)"
+                            if first else "; the same training log") + ".")
     for name, seeds in runs.items():
         out = open(os.path.join(next(iter(seeds.values()))[0]["out_dir"], "train.out")).read()
         if "sample: " in out:

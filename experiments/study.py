@@ -221,10 +221,13 @@ def verify(rows, args):
     checks = read_json(path)
     for name, (meta, rep) in new.items():
         n, diffs = differences([renamed(rep), read_log(dirs[name])], [kept[name][1], read_log(kept[name][0]["out_dir"])])
+        added = [p for p, _, then in diffs if then is None]  # what the report has gained since (a new diagnostic)
+        diffs = [d for d in diffs if d[2] is not None]
         checks[name] = {"seed": seed, "commit": meta["commit"], "runs_commit": kept[name][0]["commit"], "numbers": n,
-                        "differ": len(diffs), "first_differences": diffs[:3], "wall_s": meta["wall_s"]}
+                        "differ": len(diffs), "first_differences": diffs[:3], "added": added, "wall_s": meta["wall_s"]}
         print(f"--verify {name} seed {seed}: {len(diffs)} of {n} numbers differ from the run at {kept[name][0]['commit']}"
-              + "".join(f"; {p}: {a!r} now, {b!r} then" for p, a, b in diffs[:3]))
+              + "".join(f"; {p}: {a!r} now, {b!r} then" for p, a, b in diffs[:3])
+              + (f"; {len(added)} values new since it ran ({', '.join(added[:3])}...)" if added else ""))
     atomic_write_text(path, json.dumps(checks, indent=1))
 
 
@@ -341,13 +344,16 @@ def provenance(runs, args):
              f"- **Code since the runs:** the Python that trains and evaluates ({', '.join(TRAINING_CODE)}) "
              f"{since(commits)}."]
     checks = {name: c for name, c in read_json(os.path.join(args.runs, "verify.json")).items() if name in runs}
-    for name, c in checks.items():
-        diff = ("the same numbers, all " + f"{c['numbers']:,}" if not c["differ"] else
-                f"{c['differ']:,} of {c['numbers']:,} numbers differ (" +
-                "; ".join(f"{p}: {a!r} now, {b!r} then" for p, a, b in c["first_differences"]) + ")")
-        lines.append(f"- **Rerun check** (`--verify`): at commit {c['commit']}, `{name}` seed {c['seed']} (run at "
-                     f"{c['runs_commit']}), trained again from scratch, gives its run's report.json and log.jsonl with "
-                     f"{diff}. Code since this check: {since([c['commit']])}.")
+    verdicts = [f"`{name}` seed {c['seed']} (run at {c['runs_commit']}) at commit {c['commit']}: " +
+                (f"all {c['numbers']:,} the same" if not c["differ"] else f"{c['differ']:,} of {c['numbers']:,} differ (" +
+                 "; ".join(f"{p}: {a!r} now, {b!r} then" for p, a, b in c["first_differences"]) + ")") +
+                (f", plus {len(c['added'])} values its run lacks (new since: {c['added'][0].split('.')[-1]})"
+                 if c.get("added") else "")
+                for name, c in checks.items()]
+    if checks:
+        lines.append("- **Rerun check** (`--verify`: a row trained again from scratch, every number of its report.json and "
+                     "log.jsonl compared with its run's): " + "; ".join(verdicts) + ". Code since the check: "
+                     + since(sorted({c["commit"] for c in checks.values()})) + ".")
     if not checks and commits != [commit()]:
         lines.append("- **Rerun check:** none yet (`--verify` trains a row's run again at this commit and compares "
                      "every number).")
