@@ -354,7 +354,7 @@ def provenance(runs, args):
         lines.append("- **Rerun check** (`--verify`: a row trained again from scratch, every number of its report.json and "
                      "log.jsonl compared with its run's): " + "; ".join(verdicts) + ". Code since the check: "
                      + since(sorted({c["commit"] for c in checks.values()})) + ".")
-    if not checks and commits != [commit()]:
+    if not checks and (code_since(commits) or [1])[0]:  # (nothing to check where the code is the same)
         lines.append("- **Rerun check:** none yet (`--verify` trains a row's run again at this commit and compares "
                      "every number).")
     return "\n".join(lines) + "\n"
