@@ -138,6 +138,16 @@ def test_differences_count_every_number_and_name_each_that_differs():
     assert study.differences({"k": [1, 2]}, {"k": [1]}) == (0, [("k", "list of 2", "list of 1")])
 
 
+def test_bare_tree_tells_wording_from_code():
+    then = 'def f(x):\n    """Old."""\n    k: int = setting(4, "old help", lo=1)\n    if x:\n        raise E(f"bad {x}")\n    return x\n'
+    docs = then.replace("Old.", "New.")
+    words = then.replace("old help", "new help").replace("bad {x}", "no good: {x}")
+    code = then.replace("setting(4", "setting(5")
+    assert study.bare_tree(then) == study.bare_tree(docs) != study.bare_tree(words)
+    assert study.bare_tree(then, True) == study.bare_tree(words, True) != study.bare_tree(code, True)
+    assert study.bare_tree("def (") is None
+
+
 def test_a_run_whose_command_now_resolves_to_other_settings_is_told_apart():
     argv = ["config/addition_cpu.py", "--seed", "1", "--device", "cpu", "--out_dir", "x", "--num_threads", "1"]
     import train

@@ -44,7 +44,8 @@ def page(runs, args):
         lines.append(f"| `python train.py {ROWS[name]}` | {meta['wall_s']:.0f} | {result} |")
     total = sum(m["wall_s"] for seeds in runs.values() for m, _ in seeds.values())
     lines.append(f"\nAll {sum(map(len, runs.values()))} runs: {total / 60:.1f} minutes (the two `--compare` commands take "
-                 "seconds).\n")
+                 "seconds). Each is one seed: which recipe is the better model is for the studies' seeds to say "
+                 "(paper_a.md, paper_b.md).\n")
     for name, paper_b in PAPER_B.items():  # the same settings as the Paper B page's seed-1 run, but its threads
         there = os.path.join(os.path.dirname(args.runs), "paper_b", paper_b, "s1")
         if name in runs and os.path.exists(os.path.join(there, "report.json")):

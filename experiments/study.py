@@ -262,10 +262,11 @@ TRAINING_CODE = ("looplm.py", "stars.py", "train.py", "report.py", "data.py", "c
 
 
 def code_since(commits):
-    """The files of TRAINING_CODE that differ between the commits and the working tree, as (changed, cosmetic):
-    cosmetic those whose change is in comments and docstrings only (the same syntax tree once docstrings are
-    dropped). None if git cannot read a commit."""
-    changed, cosmetic = set(), set()
+    """The files of TRAINING_CODE that differ between the commits and the working tree, as (changed, cosmetic,
+    wording): cosmetic those whose change is in comments and docstrings only (the same syntax tree once docstrings
+    are dropped), wording those changed in help text and messages too, no more (bare_tree's messages). None if git
+    cannot read a commit."""
+    changed, cosmetic, wording = set(), set(), set()
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
     for c in commits:
         rev = c.split("+")[0]
@@ -274,26 +275,31 @@ def code_since(commits):
             return None
         for f in r.stdout.split():
             old, path = git("show", f"{rev}:{f}"), os.path.join(ROOT, f)
-            then = bare_tree(old.stdout) if old.returncode == 0 else None
-            (cosmetic if then is not None and os.path.exists(path) and then == bare_tree(open(path).read())
-             else changed).add(f)
+            then, now = (old.stdout if old.returncode == 0 else None), (open(path).read() if os.path.exists(path) else None)
+            same = lambda m: then is not None and now is not None and bare_tree(then, m) is not None and \
+                bare_tree(then, m) == bare_tree(now, m)
+            (cosmetic if same(False) else wording if same(True) else changed).add(f)
         changed |= {"(uncommitted changes)"} if "+" in c else set()
-    return changed, cosmetic - changed
+    return changed, cosmetic - changed - wording, wording - changed
 
 
 def since(commits):
-    """code_since in words: "changed in a.py, b.py (c.py: comments and docstrings only)", or "unchanged"."""
+    """code_since in words: "changed in a.py (b.py: help text and messages only; c.py: ...)", or "unchanged"."""
     c = code_since(commits)
     if c is None:
         return f"not compared (git could not read commit {', '.join(commits)})"
-    changed, cosmetic = c
-    note = f"{', '.join(sorted(cosmetic))}: comments and docstrings only" if cosmetic else ""
-    return (f"changed in {', '.join(sorted(changed))}" + (f" ({note})" if note else "") if changed
-            else "unchanged" + (f" but for comments and docstrings ({note})" if note else ""))
+    changed, cosmetic, wording = c
+    notes = "; ".join(f"{', '.join(sorted(files))}: {what} only" for files, what in
+                      ((wording, "help text, messages, comments and docstrings"), (cosmetic, "comments and docstrings"))
+                      if files)
+    return (f"changed in {', '.join(sorted(changed))}" + (f" ({notes})" if notes else "") if changed
+            else "unchanged" + (f" but for wording ({notes})" if notes else ""))
 
 
-def bare_tree(source):
-    """A Python file's syntax tree without its docstrings (None if it does not parse)."""
+def bare_tree(source, messages=False):
+    """A Python file's syntax tree without its docstrings (None if it does not parse); with messages, also
+    without the words of its help text and messages: the strings of setting(...) after its default, of print(...)
+    and of the exception a raise builds."""
     import ast
     try:
         tree = ast.parse(source)
@@ -304,6 +310,14 @@ def bare_tree(source):
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
                 getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
             node.body = body[1:] or [ast.Pass()]
+        call = node.exc if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) else node
+        name = getattr(getattr(call, "func", None), "id", None) or getattr(getattr(call, "func", None), "attr", None)
+        if messages and isinstance(call, ast.Call) and (name in ("setting", "print") or call is not node):
+            words = lambda a: isinstance(a, ast.JoinedStr) or (isinstance(a, ast.Constant) and isinstance(a.value, str))
+            first = 1 if name == "setting" else 0  # (setting's default is a setting, not words)
+            call.args = call.args[:first] + [ast.Constant("") if words(a) else a for a in call.args[first:]]
+            call.keywords = [ast.keyword(k.arg, ast.Constant("")) if k.arg == "help" and words(k.value) else k
+                             for k in call.keywords]
     return ast.dump(tree)
 
 
@@ -332,8 +346,10 @@ def provenance(runs, args):
     seeds = sorted({s for r in runs.values() for s in r})
     commits = sorted({m["commit"] for m in metas})
     threads = {0: "torch's default threads", 1: "1 thread each"}.get(args.threads, f"{args.threads} threads each")
+    where = os.path.relpath(args.runs, ROOT) if args.runs.startswith(ROOT + os.sep) else args.runs
     lines = [f"Generated by `python {cmd}` at commit {commit()}.\n",
-             f"- **Runs:** {len(metas)} finished, seeds {', '.join(map(str, seeds))}, at commit {', '.join(commits)}, "
+             f"- **Runs:** {len(metas)} finished, seeds {', '.join(map(str, seeds))} (in {where}/, "
+             f"kept out of git: the study's command makes them), at commit {', '.join(commits)}, "
              f"dated {dates[0]}" + (f" to {dates[-1]}" if dates[-1] != dates[0] else "") +
              f"; {'; '.join(sorted({m['machine'] for m in metas}))}; {args.jobs} at once, "
              f"{threads if args.device == 'cpu' else 'on ' + args.device}. A run took {min(walls):.1f} to {max(walls):.1f} "
@@ -351,9 +367,12 @@ def provenance(runs, args):
                  if c.get("added") else "")
                 for name, c in checks.items()]
     if checks:
+        uncovered = sorted(set(commits) - {c["runs_commit"] for c in checks.values()})
         lines.append("- **Rerun check** (`--verify`: a row trained again from scratch, every number of its report.json and "
-                     "log.jsonl compared with its run's): " + "; ".join(verdicts) + ". Code since the check: "
-                     + since(sorted({c["commit"] for c in checks.values()})) + ".")
+                     "log.jsonl compared with its run's): " + "; ".join(verdicts) + f". Rows checked: {len(checks)} of "
+                     f"{len(runs)}" + (f"; no check covers the runs made at {', '.join(uncovered)}" if uncovered else
+                                       ", with one at least from every commit the runs were made at")
+                     + ". Code since the check: " + since(sorted({c["commit"] for c in checks.values()})) + ".")
     if not checks and (code_since(commits) or [1])[0]:  # (nothing to check where the code is the same)
         lines.append("- **Rerun check:** none yet (`--verify` trains a row's run again at this commit and compares "
                      "every number).")
