@@ -51,15 +51,16 @@ ROWS = {
 }
 PARTS = {  # a recipe's name is its parts, joined by "-": the page's key to the 29 names
     "baseline": "fixed 4 loops", "mean4": "depth sampled around 4 loops (the preset)",
-    "deep": "Paper B's depth distribution (LogNormal(2, 0.7), gradient through the last 4 loops)",
-    "inject": "input injection: every loop after the first adds H_0", "loopnorm": "`--loop_norm`", "raw": "raw readout",
-    "penalty": "the norm penalty", "sandwich": "Paper B's sandwich block", "stars": "the STARS penalty",
+    "deep": "Paper B's depth distribution, LogNormal(2, 0.7), capped at 32, gradient through the last 4 loops (Paper "
+            "B: up to 100, through every loop)",
+    "inject": "input injection: every loop after the first adds H_0", "loopnorm": "`--loop_norm`, RMSNorm between loops", "raw": "raw readout",
+    "penalty": "the norm penalty", "sandwich": "the sandwich norm placement of Paper B's block", "stars": "the STARS penalty",
     "deep32": "the penalty at loop 32's state", "iters4": "4 power steps in the penalty, aimed at ρ",
     "noise1, noise0.3": "Huginn's random start: in training loop 1 sees H_0 + noise, 1 (0.3) times H_0's RMS",
     "half": "the noise on half the sequences",
     "anneal": "the noise annealed to 0", "from300": "sampling from step 300", "deq16": "DEQ-style: 16 fixed loops, "
-    "gradient through the last 4", "exits4": "and loops 1-4 trained as exits", "damp0.5, damp0.25": "a damped loop, "
-    "h + α(F(h) − h)", "2400": "4x the steps (2,400)"}
+    "gradient through the last 4", "exits4": "and loops 1-4 trained as exits", "damp0.5, damp0.25": "a damped loop "
+    "after the first, h + α(F(h) − h)", "2400": "4x the steps (2,400)"}
 BASELINES = ("baseline", "baseline-2400")  # the fixed-depth baselines, one a number of steps
 QUICK = "--max_iters 4 --eval_interval 4 --eval_iters 1 --batch_size 4 --eval_loops 16 --dataset pydoc --stars_warmup 2"
 DEPTHS = (1, 2, 4, 8, 16, 32, 64)
@@ -157,7 +158,8 @@ def page(runs, args):
     n = min(len(rep["per_loop"]) for seeds in runs.values() for _, rep in seeds.values())
     ks = [k for k in DEPTHS if k <= n]
     lines = ["# Depth as a dial on text\n", study.provenance(runs, args),
-             "\nA recipe's name is its parts: " + "; ".join(f"`{k}` {v}" for k, v in PARTS.items()) + ".\n",
+             "\nA recipe's name is its parts: " + "; ".join(f"`{k}` {v}" for k, v in PARTS.items()) + ". Depth is "
+             "sampled as in `mean4` unless the name has `baseline`, `deep` (not `deep32`) or `deq16`.\n",
              "\nRecipes (`python train.py` options; each run adds `--seed S`):\n"]
     lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
     missing = [name for name in ROWS if name not in runs]

@@ -46,19 +46,24 @@ def page(runs, args):
     lines.append(f"\nAll {sum(map(len, runs.values()))} runs: {total / 60:.1f} minutes (the two `--compare` commands take "
                  "seconds). Each is one seed: which recipe is the better model is for the studies' seeds to say "
                  "(paper_a.md, paper_b.md).\n")
-    for name, paper_b in PAPER_B.items():  # the same settings as the Paper B page's seed-1 run, but its threads
+    for name, paper_b in PAPER_B.items():  # the Paper B page's seed-1 run of the same row: the same numbers?
         there = os.path.join(os.path.dirname(args.runs), "paper_b", paper_b, "s1")
-        if name in runs and os.path.exists(os.path.join(there, "report.json")):
-            meta, rep = next(iter(runs[name].values()))
-            a, b = rep["addition"]["accuracy"], study.read_json(os.path.join(there, "report.json"))["addition"]["accuracy"]
-            same = [k for k in a if a[k] == b.get(k)]
-            log, log_there = read_log(meta["out_dir"]), read_log(there)
-            first = next((r["iter"] for r, t in zip(log, log_there) if study.differences(r, t)[1]), None)
-            lines.append(f"- `{name}` against the Paper B page's `{paper_b}` seed 1 (the same settings, run with one "
-                         f"thread): strict exact match the same at {len(same)} of {len(a)} depths 1..{max(map(int, a))}"
-                         + (f", at most {100 * max(abs(a[k] - b.get(k, 0)) for k in a):.1f} points apart" if len(same) < len(a) else "")
-                         + (f"; the training logs part at step {first} (the one difference: torch's default threads here, one there)"
-                            if first else "; the same training log") + ".")
+        meta_there, meta = study.read_json(os.path.join(there, "run.json")), next(iter(runs.get(name, {1: ({},)}).values()))[0]
+        threads = lambda m: m["argv"][m["argv"].index("--num_threads") + 1] if "--num_threads" in m["argv"] else "0"
+        other = lambda m: [a for i, a in enumerate(m["argv"]) if "--num_threads" not in m["argv"][max(0, i - 1):i + 1]]
+        if not (meta and meta_there.get("finished") and study.same_command({"argv": other(meta_there)}, other(meta))):
+            continue
+        rep = next(iter(runs[name].values()))[1]
+        a, b = rep["addition"]["accuracy"], study.read_json(os.path.join(there, "report.json"))["addition"]["accuracy"]
+        same = [k for k in a if a[k] == b.get(k)]
+        log, log_there = read_log(meta["out_dir"]), read_log(there)
+        first = next((r["iter"] for r, t in zip(log, log_there) if study.differences(r, t)[1]), None)
+        lines.append(f"- `{name}` against the Paper B page's `{paper_b}` seed 1 (the same command, run at commit "
+                     f"{meta_there['commit']} with `--num_threads {threads(meta_there)}`; here `--num_threads "
+                     f"{threads(meta)}`, 0 for torch's default): strict exact match the same at {len(same)} of {len(a)} depths 1..{max(map(int, a))}"
+                     + (f", at most {100 * max(abs(a[k] - b.get(k, 0)) for k in a):.1f} points apart" if len(same) < len(a)
+                        else "") + (f"; the training logs part at step {first}" if first else
+                                    "; the same training log" if len(log) == len(log_there) else "") + ".")
     for name, seeds in runs.items():
         out = open(os.path.join(next(iter(seeds.values()))[0]["out_dir"], "train.out")).read()
         if "sample: " in out:

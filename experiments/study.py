@@ -182,14 +182,19 @@ def run_all(rows, args):
     chosen = {k: v for k, v in rows.items() if not args.rows or k in args.rows.split(",")}
     if args.quick:
         rows = chosen = dict(list(chosen.items())[:2])
-    jobs = [(name, seed, os.path.join(args.runs, name, f"s{seed}")) for name in chosen for seed in args.seeds]
+    if args.verify and args.page_only:
+        raise SystemExit("--verify trains; --page_only runs nothing: give one of them")
+    if args.verify:  # the check's runs: the first seed of each row asked (default: the first row)
+        chosen = chosen if args.rows else dict(list(chosen.items())[:1])
+    jobs = [(name, seed, os.path.join(args.runs + ("-verify" if args.verify else ""), name, f"s{seed}"))
+            for name in chosen for seed in (args.seeds[:1] if args.verify else args.seeds)]
     argvs = {(name, seed): command(chosen[name], seed, d, args) for name, seed, d in jobs}
     for name, seed, _ in jobs:
         print(f"python train.py {shlex.join(argvs[name, seed])}")
     if args.dry_run:
         raise SystemExit(0)
     if args.verify:
-        verify(chosen if args.rows else dict(list(chosen.items())[:1]), args)
+        verify(chosen, args)
     elif not args.page_only:
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = {(name, seed): pool.submit(run_one, argvs[name, seed], d) for name, seed, d in jobs}
@@ -215,7 +220,8 @@ def verify(rows, args):
         raise SystemExit(f"--verify: no finished run of {', '.join(missing)} seed {seed} to compare with: run the study first")
     dirs = {name: os.path.join(args.runs + "-verify", name, f"s{seed}") for name in rows}
     for d in dirs.values():
-        shutil.rmtree(d, ignore_errors=True)  # from scratch: never a finished or resumed earlier check
+        if os.path.exists(d):
+            shutil.rmtree(d)  # from scratch: never a finished or resumed earlier check
     with ThreadPoolExecutor(args.jobs) as pool:
         new = dict(zip(rows, pool.map(lambda n: run_one(command(rows[n], seed, dirs[n], args), dirs[n]), rows)))
     checks = read_json(path)
@@ -223,7 +229,8 @@ def verify(rows, args):
         n, diffs = differences([renamed(rep), read_log(dirs[name])], [kept[name][1], read_log(kept[name][0]["out_dir"])])
         added = [p for p, _, then in diffs if then is None]  # what the report has gained since (a new diagnostic)
         diffs = [d for d in diffs if d[2] is not None]
-        checks[name] = {"seed": seed, "commit": meta["commit"], "runs_commit": kept[name][0]["commit"], "numbers": n,
+        checks[name] = {"seed": seed, "commit": meta["commit"], "runs_commit": kept[name][0]["commit"],
+                        "runs_date": kept[name][0].get("date"), "numbers": n,
                         "differ": len(diffs), "first_differences": diffs[:3], "added": added, "wall_s": meta["wall_s"]}
         print(f"--verify {name} seed {seed}: {len(diffs)} of {n} numbers differ from the run at {kept[name][0]['commit']}"
               + "".join(f"; {p}: {a!r} now, {b!r} then" for p, a, b in diffs[:3])
@@ -257,7 +264,8 @@ def commit():
     return head + ("+changes" if dirty else "")
 
 
-TRAINING_CODE = ("looplm.py", "stars.py", "train.py", "report.py", "data.py", "checkpoint.py", "configurator.py")
+TRAINING_CODE = ("looplm.py", "stars.py", "train.py", "report.py", "data.py", "checkpoint.py", "configurator.py",
+                 "sample.py")
 # (the presets, config/, are checked run by run: settings_changed)
 
 
@@ -359,7 +367,10 @@ def provenance(runs, args):
              "here (`study.settings_changed`).",
              f"- **Code since the runs:** the Python that trains and evaluates ({', '.join(TRAINING_CODE)}) "
              f"{since(commits)}."]
-    checks = {name: c for name, c in read_json(os.path.join(args.runs, "verify.json")).items() if name in runs}
+    page_run = lambda name, c: runs.get(name, {}).get(c["seed"], ({},))[0]
+    checks = {name: c for name, c in read_json(os.path.join(args.runs, "verify.json")).items()  # of the runs shown
+              if page_run(name, c).get("commit") == c["runs_commit"] and c.get("runs_date", page_run(name, c).get("date"))
+              == page_run(name, c).get("date")}
     verdicts = [f"`{name}` seed {c['seed']} (run at {c['runs_commit']}) at commit {c['commit']}: " +
                 (f"all {c['numbers']:,} the same" if not c["differ"] else f"{c['differ']:,} of {c['numbers']:,} differ (" +
                  "; ".join(f"{p}: {a!r} now, {b!r} then" for p, a, b in c["first_differences"]) + ")") +
@@ -369,7 +380,7 @@ def provenance(runs, args):
     if checks:
         uncovered = sorted(set(commits) - {c["runs_commit"] for c in checks.values()})
         lines.append("- **Rerun check** (`--verify`: a row trained again from scratch, every number of its report.json and "
-                     "log.jsonl compared with its run's): " + "; ".join(verdicts) + f". Rows checked: {len(checks)} of "
+                     "log.jsonl, settings and speed aside, compared with its run's): " + "; ".join(verdicts) + f". Rows checked: {len(checks)} of "
                      f"{len(runs)}" + (f"; no check covers the runs made at {', '.join(uncovered)}" if uncovered else
                                        ", with one at least from every commit the runs were made at")
                      + ". Code since the check: " + since(sorted({c["commit"] for c in checks.values()})) + ".")
