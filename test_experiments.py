@@ -107,7 +107,7 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
     assert check.returncode == 0, check.stderr[-2000:]
     verdict = json.load(open(tmp_path / "runs" / "verify.json"))["baseline"]
     assert verdict["differ"] == 0 and verdict["numbers"] > 20 and (tmp_path / "runs-verify" / "baseline" / "s1" / "ckpt.pt").exists()
-    verdict_line = f"seed 1 (run at {verdict['runs_commit']}) at commit {verdict['commit']}: all {verdict['numbers']:,} the same"
+    verdict_line = f"`baseline` seed 1, run at {verdict['runs_commit']}, checked at {verdict['commit']}: all {verdict['numbers']:,} the same"
     assert verdict_line in (tmp_path / "paper_b-quick.md").read_text()
     assert metas["baseline"] == json.load(open(tmp_path / "runs" / "baseline" / "s1" / "run.json"))  # the run kept
     kept = tmp_path / "runs" / "baseline" / "s1" / "report.json"

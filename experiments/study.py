@@ -371,19 +371,19 @@ def provenance(runs, args):
     checks = {name: c for name, c in read_json(os.path.join(args.runs, "verify.json")).items()  # of the runs shown
               if page_run(name, c).get("commit") == c["runs_commit"] and c.get("runs_date", page_run(name, c).get("date"))
               == page_run(name, c).get("date")}
-    verdicts = [f"`{name}` seed {c['seed']} (run at {c['runs_commit']}) at commit {c['commit']}: " +
+    verdicts = [f"  - `{name}` seed {c['seed']}, run at {c['runs_commit']}, checked at {c['commit']}: " +
                 (f"all {c['numbers']:,} the same" if not c["differ"] else f"{c['differ']:,} of {c['numbers']:,} differ (" +
                  "; ".join(f"{p}: {a!r} now, {b!r} then" for p, a, b in c["first_differences"]) + ")") +
                 (f", plus {len(c['added'])} values its run lacks (new since: {c['added'][0].split('.')[-1]})"
-                 if c.get("added") else "")
-                for name, c in checks.items()]
+                 if c.get("added") else "") for name, c in checks.items()]
     if checks:
         uncovered = sorted(set(commits) - {c["runs_commit"] for c in checks.values()})
         lines.append("- **Rerun check** (`--verify`: a row trained again from scratch, every number of its report.json and "
-                     "log.jsonl, settings and speed aside, compared with its run's): " + "; ".join(verdicts) + f". Rows checked: {len(checks)} of "
-                     f"{len(runs)}" + (f"; no check covers the runs made at {', '.join(uncovered)}" if uncovered else
-                                       ", with one at least from every commit the runs were made at")
-                     + ". Code since the check: " + since(sorted({c["commit"] for c in checks.values()})) + ".")
+                     f"log.jsonl, settings and speed aside, compared with its run's): {len(checks)} of {len(runs)} rows"
+                     + (f"; no check covers the runs made at {', '.join(uncovered)}" if uncovered else
+                        ", one at least from each commit the runs were made at") + ". Code since the checks: "
+                     + since(sorted({c["commit"] for c in checks.values()})) + ".")
+        lines += verdicts
     if not checks and (code_since(commits) or [1])[0]:  # (nothing to check where the code is the same)
         lines.append("- **Rerun check:** none yet (`--verify` trains a row's run again at this commit and compares "
                      "every number).")
