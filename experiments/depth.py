@@ -177,7 +177,8 @@ def page(runs, args):
     lines.append("\n## ‖H_k‖ / relative step / ρ of the loop map at each depth (seed mean)\n")
     lines.append("Relative step: ‖H_k − H_{k−1}‖/‖H_{k−1}‖ (`looplm.relative_step`); ρ by power iteration at "
                  "loop k's input (`report.loop_map_rho`). ρ at loop 1 is the map from the small embedding through "
-                 "pre-norm (often large: not a sign of instability); a settled loop has ρ < 1 and a small step.\n")
+                 "pre-norm (often large: not a sign of instability). ρ here is 10 power iterations, too few to converge on text: "
+                 "a rough reading that can sit below the true ρ, so ρ < 1 here does not show a settled loop.\n")
     lines.append("| recipe | " + " | ".join(f"at {k}" for k in ks) + " |\n|---|" + "---|" * len(ks))
     for name, seeds in runs.items():
         reps = [rep for _, rep in seeds.values()]
