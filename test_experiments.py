@@ -84,12 +84,18 @@ def test_depth_page_shows_the_runs_and_names_the_rows_not_run(tmp_path):
     not_run = next(line for line in text.splitlines() if line.startswith("Rows of the script not run"))
     assert "`mean4`" in not_run and "`baseline`" not in not_run and (tmp_path / pngs[0]).stat().st_size > 0
 
-@pytest.mark.slow
-def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(tmp_path):
-    cmd = [sys.executable, "experiments/paper_b.py", "--quick", "--out", str(tmp_path), "--runs", str(tmp_path / "runs")]
+
+def run_quick(study_name, tmp_path):
+    """experiments/<study>.py --quick into tmp_path (its runs in tmp_path/runs): (its command, its page's text)."""
+    cmd = [sys.executable, f"experiments/{study_name}.py", "--quick", "--out", str(tmp_path), "--runs", str(tmp_path / "runs")]
     r = subprocess.run(cmd, cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    page = (tmp_path / "paper_b-quick.md").read_text()
+    return cmd, (tmp_path / f"{study_name}-quick.md").read_text()
+
+
+@pytest.mark.slow
+def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(tmp_path):
+    cmd, page = run_quick("paper_b", tmp_path)
     assert (tmp_path / "paper_b-quick_accuracy.png").stat().st_size > 0
     metas = {}
     for row in ("baseline", "sampling"):
@@ -169,10 +175,7 @@ def test_a_run_whose_command_now_resolves_to_other_settings_is_told_apart():
 
 @pytest.mark.slow
 def test_quickstart_quick_times_the_readme_commands_and_writes_their_page(tmp_path):
-    cmd = [sys.executable, "experiments/quickstart.py", "--quick", "--out", str(tmp_path), "--runs", str(tmp_path / "runs")]
-    r = subprocess.run(cmd, cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    page = (tmp_path / "quickstart-quick.md").read_text()
+    _, page = run_quick("quickstart", tmp_path)
     rep = json.load(open(tmp_path / "runs" / "cpu-tiny-raw" / "s1" / "report.json"))
     wall = json.load(open(tmp_path / "runs" / "cpu-tiny-raw" / "s1" / "run.json"))["wall_s"]
     assert (f"| `python train.py config/cpu_tiny.py --readout raw` | {wall:.0f} | PPL loop 1 → 4: "

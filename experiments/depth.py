@@ -53,7 +53,8 @@ PARTS = {  # a recipe's name is its parts, joined by "-": the page's key to the 
     "baseline": "fixed 4 loops", "mean4": "depth sampled around 4 loops (the preset)",
     "deep": "Paper B's depth distribution, LogNormal(2, 0.7), capped at 32, gradient through the last 4 loops (Paper "
             "B: up to 100, through every loop)",
-    "inject": "input injection: every loop after the first adds H_0", "loopnorm": "`--loop_norm`, RMSNorm between loops", "raw": "raw readout",
+    "inject": "input injection: every loop after the first adds H_0", "loopnorm": "`--loop_norm`, RMSNorm between loops",
+    "raw": "raw readout",
     "penalty": "the norm penalty", "sandwich": "the sandwich norm placement of Paper B's block", "stars": "the STARS penalty",
     "deep32": "the penalty at loop 32's state", "iters4": "4 power steps in the penalty, aimed at ρ",
     "noise1, noise0.3": "Huginn's random start: in training loop 1 sees H_0 + noise, 1 (0.3) times H_0's RMS",
@@ -177,8 +178,8 @@ def page(runs, args):
     lines.append("\n## ‖H_k‖ / relative step / ρ of the loop map at each depth (seed mean)\n")
     lines.append("Relative step: ‖H_k − H_{k−1}‖/‖H_{k−1}‖ (`looplm.relative_step`); ρ by power iteration at "
                  "loop k's input (`report.loop_map_rho`). ρ at loop 1 is the map from the small embedding through "
-                 "pre-norm (often large: not a sign of instability). ρ here is 10 power iterations, too few to converge on text: "
-                 "a rough reading that can sit below the true ρ, so ρ < 1 here does not show a settled loop.\n")
+                 "pre-norm (often large: not a sign of instability). ρ here is 10 power iterations, too few to "
+                 "converge on text: a rough reading that can sit below the true ρ, so ρ < 1 here does not show a settled loop.\n")
     lines.append("| recipe | " + " | ".join(f"at {k}" for k in ks) + " |\n|---|" + "---|" * len(ks))
     for name, seeds in runs.items():
         reps = [rep for _, rep in seeds.values()]

@@ -40,28 +40,33 @@ def page(runs, args):
                                                     (1, 2, 4, 8, 16, 32, 64, 100))
         else:
             rows = rep["per_loop"]
-            result = f"PPL loop 1 → 4: {rows[0]['ppl']:.3f} → {rows[3]['ppl']:.3f}; ‖H_K‖ {rows[3]['norm_mean']:.1f}"
+            result = (f"PPL loop 1 → 4: {rows[0]['ppl']:.3f} → {rows[3]['ppl']:.3f}; "
+                      f"‖H_K‖ {rows[3]['norm_mean']:.1f}")
         lines.append(f"| `python train.py {ROWS[name]}` | {meta['wall_s']:.0f} | {result} |")
     total = sum(m["wall_s"] for seeds in runs.values() for m, _ in seeds.values())
     lines.append(f"\nAll {sum(map(len, runs.values()))} runs: {total / 60:.1f} minutes (the two `--compare` commands take "
                  "seconds). Each is one seed: which recipe is the better model is for the studies' seeds to say "
                  "(paper_a.md, paper_b.md).\n")
+    threads = lambda m: m["argv"][m["argv"].index("--num_threads") + 1] if "--num_threads" in m["argv"] else "0"
+    but_threads = lambda m: {"argv": [a for a, before in zip(m["argv"], [None] + m["argv"])
+                                      if "--num_threads" not in (a, before)]}
     for name, paper_b in PAPER_B.items():  # the Paper B page's seed-1 run of the same row: the same numbers?
         there = os.path.join(os.path.dirname(args.runs), "paper_b", paper_b, "s1")
-        meta_there, meta = study.read_json(os.path.join(there, "run.json")), next(iter(runs.get(name, {1: ({},)}).values()))[0]
-        threads = lambda m: m["argv"][m["argv"].index("--num_threads") + 1] if "--num_threads" in m["argv"] else "0"
-        other = lambda m: [a for i, a in enumerate(m["argv"]) if "--num_threads" not in m["argv"][max(0, i - 1):i + 1]]
-        if not (meta and meta_there.get("finished") and study.same_command({"argv": other(meta_there)}, other(meta))):
+        meta_there = study.read_json(os.path.join(there, "run.json"))
+        if name not in runs or not meta_there.get("finished"):
             continue
-        rep = next(iter(runs[name].values()))[1]
+        meta, rep = next(iter(runs[name].values()))
+        if not study.same_command(but_threads(meta_there), but_threads(meta)["argv"]):
+            continue
         a, b = rep["addition"]["accuracy"], study.read_json(os.path.join(there, "report.json"))["addition"]["accuracy"]
         same = [k for k in a if a[k] == b.get(k)]
         log, log_there = read_log(meta["out_dir"]), read_log(there)
         first = next((r["iter"] for r, t in zip(log, log_there) if study.differences(r, t)[1]), None)
         lines.append(f"- `{name}` against the Paper B page's `{paper_b}` seed 1 (the same command, run at commit "
                      f"{meta_there['commit']} with `--num_threads {threads(meta_there)}`; here `--num_threads "
-                     f"{threads(meta)}`, 0 for torch's default): strict exact match the same at {len(same)} of {len(a)} depths 1..{max(map(int, a))}"
-                     + (f", at most {100 * max(abs(a[k] - b.get(k, 0)) for k in a):.1f} points apart" if len(same) < len(a)
+                     f"{threads(meta)}`, 0 for torch's default): strict exact match the same at {len(same)} of "
+                     f"{len(a)} depths 1..{max(map(int, a))}" + (
+                         f", at most {100 * max(abs(a[k] - b.get(k, 0)) for k in a):.1f} points apart" if len(same) < len(a)
                         else "") + (f"; the training logs part at step {first}" if first else
                                     "; the same training log" if len(log) == len(log_there) else "") + ".")
     for name, seeds in runs.items():
