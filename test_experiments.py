@@ -79,10 +79,50 @@ def test_depth_page_shows_the_runs_and_names_the_rows_not_run(tmp_path):
     runs = {"baseline": {1: run(2.0, 1), 2: run(2.2, 2)}}
     args = argparse.Namespace(study="depth", out=str(tmp_path), runs=str(tmp_path), quick=False, jobs=2, threads=1,
                               device="cpu")
-    text, pngs = depth.page(runs, args)
+    rho = {"baseline/s1": {"8": [1.2, 1.3], "32": [1.0, 1.05], "64": [0.85, 0.88]},
+           "baseline/s2": {"8": [1.1], "32": [1.01], "64": [1.02]}}
+    text, pngs = depth.page(runs, args, rho)
     assert "| 2.100 (2.000–2.200) |" in text and "| +0.010 (+0.010–+0.010) |" in text
+    # exact ρ: the largest position's, then the run's own reading (0.9), and the seeds where the map contracts at 64
+    r = "0.900 (0.900–0.900)"
+    assert (f"| baseline | 1.200 (1.100–1.300) | {r} | 1.030 (1.010–1.050) | {r} | 0.950 (0.880–1.020) | {r} "
+            "| 1 of 2 |") in text and "below the exact ρ in 5 of 6 (run, loop) pairs" in text
     not_run = next(line for line in text.splitlines() if line.startswith("Rows of the script not run"))
     assert "`mean4`" in not_run and "`baseline`" not in not_run and (tmp_path / pngs[0]).stat().st_size > 0
+
+
+@pytest.mark.parametrize("variant", [{}, {"inject": True, "loop_norm": True}, {"loop_damping": 0.5}])
+def test_depth_block_rho_is_the_spectral_radius_of_the_whole_loop_map(variant):
+    import torch
+    import depth
+    import stars
+    from conftest import batch, tiny
+    model, T = tiny(**variant), 6
+    x = batch(B=1, T=T)[0]
+    with torch.no_grad():
+        h0 = model.embed(x)
+        h = model.loop_states(x, 3)[-1]
+    step = stars.looplm_step_fn(model, h0)
+    J = torch.autograd.functional.jacobian(step, h).reshape(T * 32, T * 32).double()  # all of it: (T·d)²
+    exact = torch.linalg.eigvals(J).abs().max().item()
+    blocks = depth.block_rho(model, h0, h, range(T))  # every position's own block
+    assert max(blocks) == pytest.approx(exact, rel=1e-5) and exact > 0.5
+    assert blocks[:2] == pytest.approx(depth.block_rho(model, h0, h, [0, 1]), rel=1e-6)  # a block needs no later position
+
+
+def test_depth_block_rhos_computes_each_run_once_and_again_when_it_is_run_again(tmp_path, monkeypatch):
+    import argparse
+    import depth
+    calls = []
+    monkeypatch.setattr(depth, "run_block_rho", lambda d: calls.append(d) or {"8": [float(len(calls))]})
+    meta = lambda date: ({"commit": "abc1234", "date": date}, {})
+    args = argparse.Namespace(runs=str(tmp_path), page_only=False, verify=False)
+    runs = {"mean4": {1: meta("d1"), 2: meta("d1")}}
+    assert depth.block_rhos(runs, args) == {"mean4/s1": {"8": [1.0]}, "mean4/s2": {"8": [2.0]}}
+    assert depth.block_rhos(runs, args) == {"mean4/s1": {"8": [1.0]}, "mean4/s2": {"8": [2.0]}} and len(calls) == 2
+    runs["mean4"][2] = meta("d2")  # seed 2 trained again: its ρ is recomputed; --page_only would show none for it
+    assert depth.block_rhos(runs, argparse.Namespace(**{**vars(args), "page_only": True})) == {"mean4/s1": {"8": [1.0]}}
+    assert depth.block_rhos(runs, args)["mean4/s2"] == {"8": [3.0]} and calls[-1] == str(tmp_path / "mean4" / "s2")
 
 
 def run_quick(study_name, tmp_path):
