@@ -71,8 +71,6 @@ PARTS = {  # a recipe's name is its parts, joined by "-": the page's key to the 
 BASELINES = ("baseline", "baseline-2400")  # the fixed-depth baselines, one a number of steps
 QUICK = "--max_iters 4 --eval_interval 4 --eval_iters 1 --batch_size 4 --eval_loops 16 --dataset pydoc --stars_warmup 2"
 DEPTHS = (1, 2, 4, 8, 16, 32, 64)
-
-
 RHO_AT = (8, 32, 64)  # the loops whose map's ρ the page gives exactly (block_rho)
 
 
@@ -114,12 +112,12 @@ def run_block_rho(out_dir):
 def block_rhos(runs, args):
     """{run folder: {loop: [ρ per position]}} for the page's runs, from <runs>/rho.json; a run not in it (or
     run again since) gets run_block_rho, unless --page_only or --verify (which compute nothing new)."""
-    path, runs_dir = os.path.join(args.runs, "rho.json"), lambda name, seed: f"{name}/s{seed}"
+    path = os.path.join(args.runs, "rho.json")
     kept = study.read_json(path) if os.path.exists(path) else {}
     out = {}
     for name, seeds in runs.items():
         for seed, (meta, _) in seeds.items():
-            key, stamp = runs_dir(name, seed), [meta["commit"], meta["date"]]
+            key, stamp = f"{name}/s{seed}", [meta["commit"], meta["date"]]
             if kept.get(key, {}).get("run") != stamp and not (args.page_only or args.verify):
                 print(f"ρ of {key}'s loop map at {', '.join(map(str, RHO_AT))} loops", flush=True)
                 kept[key] = {"run": stamp, "rho": run_block_rho(os.path.join(args.runs, key))}
@@ -227,7 +225,7 @@ def rho_table(runs, rho):
              "eigenvalues cluster near 1). ρ > 1: the map expands, the loop is not settling.\n",
              "| recipe | " + " | ".join(f"ρ at {k} | run's reading at {k}" for k in at) + " | seeds with ρ < 1 at "
              f"{at[-1]} |\n|---|" + "---|---|" * len(at) + "---|"]
-    below = []
+    below, settled = [], []
     for name, seeds in runs.items():
         exact = {k: [max(rho[f"{name}/s{s}"][str(k)]) for s in seeds] for k in at}
         read = {k: [rep["per_loop"][k - 1]["spectral_radius"] for _, rep in seeds.values()] for k in at}
@@ -235,7 +233,9 @@ def rho_table(runs, rho):
                                                f"{study.mean_range(read[k], '.3f')}" for k in at)
                      + f" | {sum(r < 1 for r in exact[at[-1]])} of {len(seeds)} |")
         below += [(r < e) for k in at for e, r in zip(exact[k], read[k])]
-    lines.append(f"\nThe run's reading is below the exact ρ in {sum(below)} of {len(below)} (run, loop) pairs.")
+        settled += [e < 1 for e in exact[at[-1]]]
+    lines.append(f"\nρ at {at[-1]} loops is below 1 in {sum(settled)} of {len(settled)} runs. The run's reading is below "
+                 f"the exact ρ in {sum(below)} of {len(below)} (run, loop) pairs.")
     return lines
 
 
