@@ -86,7 +86,8 @@ def test_depth_page_shows_the_runs_and_names_the_rows_not_run(tmp_path):
     # exact ρ: the largest position's, then the run's own reading (0.9), and the seeds where the map contracts at 64
     r = "0.900 (0.900–0.900)"
     assert (f"| baseline | 1.200 (1.100–1.300) | {r} | 1.030 (1.010–1.050) | {r} | 0.950 (0.880–1.020) | {r} "
-            "| 1 of 2 |") in text and "ρ at 64 loops is below 1 in 1 of 2 runs. The run's reading is below the exact ρ in 5 of 6 (run, loop) pairs" in text
+            "| 1 of 2 |") in text and ("At 64 loops ρ > 1, an expanding map, in 1 of 2 runs. Recipes whose bound is below 1 "
+                                 "on every seed: none. The run's reading is below the bound in 5 of 6") in text
     not_run = next(line for line in text.splitlines() if line.startswith("Rows of the script not run"))
     assert "`mean4`" in not_run and "`baseline`" not in not_run and (tmp_path / pngs[0]).stat().st_size > 0
 

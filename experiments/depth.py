@@ -213,29 +213,31 @@ def lessons(runs):
 
 
 def rho_table(runs, rho):
-    """ρ of the loop map at RHO_AT, exact (block_rho), beside the run's own power-iteration reading."""
+    """ρ of the loop map at RHO_AT from its blocks (block_rho), beside the run's own power-iteration reading."""
     at = [k for k in RHO_AT if all(f"{n}/s{s}" in rho and str(k) in rho[f"{n}/s{s}"] for n in runs for s in runs[n])]
     if not at:
         return []
-    lines = ["\n## ρ of the loop map, exactly, at 8, 32 and 64 loops: mean (min–max) over seeds\n",
-             "ρ(∂H_k/∂H_{k−1}) at loop k's input, on the first validation sequence: the largest eigenvalue of the "
-             "positions' own blocks at positions 0, 8, …, T−1 (`block_rho`; under causal attention ρ is the largest "
-             "over all positions, so these 17 give it or a little less). Beside it, the run's own reading "
-             "(`report.loop_map_rho`: 10 power iterations, 4 sequences; power iteration converges slowly when the "
-             "eigenvalues cluster near 1). ρ > 1: the map expands, the loop is not settling.\n",
-             "| recipe | " + " | ".join(f"ρ at {k} | run's reading at {k}" for k in at) + " | seeds with ρ < 1 at "
+    lines = [f"\n## ρ of the loop map at {', '.join(map(str, at))} loops, from its blocks: mean (min–max) over seeds\n",
+             "ρ(∂H_k/∂H_{k−1}) at loop k's input, on the first validation sequence. Under causal attention it is the "
+             "largest of the positions' own blocks' ρ over all T positions; the table gives the largest over positions "
+             "0, 8, …, T−1, each block's eigenvalues computed exactly (`block_rho`): a lower bound, so a value above 1 "
+             "shows the map expands (ρ > 1). Beside it, the run's own reading (`report.loop_map_rho`: 10 power "
+             "iterations, 4 sequences), which converges slowly when the eigenvalues cluster near 1.\n",
+             "| recipe | " + " | ".join(f"ρ at {k} | run's reading at {k}" for k in at) + f" | seeds with ρ > 1 at "
              f"{at[-1]} |\n|---|" + "---|---|" * len(at) + "---|"]
-    below, settled = [], []
+    below, expands, under = [], [], []
     for name, seeds in runs.items():
         exact = {k: [max(rho[f"{name}/s{s}"][str(k)]) for s in seeds] for k in at}
         read = {k: [rep["per_loop"][k - 1]["spectral_radius"] for _, rep in seeds.values()] for k in at}
         lines.append(f"| {name} | " + " | ".join(f"{study.mean_range(exact[k], '.3f')} | "
                                                f"{study.mean_range(read[k], '.3f')}" for k in at)
-                     + f" | {sum(r < 1 for r in exact[at[-1]])} of {len(seeds)} |")
+                     + f" | {sum(r > 1 for r in exact[at[-1]])} of {len(seeds)} |")
         below += [(r < e) for k in at for e, r in zip(exact[k], read[k])]
-        settled += [e < 1 for e in exact[at[-1]]]
-    lines.append(f"\nρ at {at[-1]} loops is below 1 in {sum(settled)} of {len(settled)} runs. The run's reading is below "
-                 f"the exact ρ in {sum(below)} of {len(below)} (run, loop) pairs.")
+        expands += [e > 1 for e in exact[at[-1]]]
+        under += [f"`{name}`"] if all(e < 1 for e in exact[at[-1]]) else []
+    lines.append(f"\nAt {at[-1]} loops ρ > 1, an expanding map, in {sum(expands)} of {len(expands)} runs. Recipes whose "
+                 f"bound is below 1 on every seed: {', '.join(under) or 'none'}. The run's reading is below the bound "
+                 f"in {sum(below)} of {len(below)} (run, loop) pairs.")
     return lines
 
 
