@@ -119,11 +119,13 @@ def test_depth_block_rhos_computes_each_run_once_and_again_when_it_is_run_again(
     meta = lambda date: ({"commit": "abc1234", "date": date}, {})
     args = argparse.Namespace(runs=str(tmp_path), page_only=False, verify=False)
     runs = {"mean4": {1: meta("d1"), 2: meta("d1")}}
-    assert depth.block_rhos(runs, args) == {"mean4/s1": {"8": [1.0]}, "mean4/s2": {"8": [2.0]}}
-    assert depth.block_rhos(runs, args) == {"mean4/s1": {"8": [1.0]}, "mean4/s2": {"8": [2.0]}} and len(calls) == 2
+    monkeypatch.setattr(depth.study, "commit", lambda: "def5678")
+    rhos = {"mean4/s1": {"8": [1.0], "commit": "def5678"}, "mean4/s2": {"8": [2.0], "commit": "def5678"}}
+    assert depth.block_rhos(runs, args) == rhos
+    assert depth.block_rhos(runs, args) == rhos and len(calls) == 2
     runs["mean4"][2] = meta("d2")  # seed 2 trained again: its ρ is recomputed; --page_only would show none for it
-    assert depth.block_rhos(runs, argparse.Namespace(**{**vars(args), "page_only": True})) == {"mean4/s1": {"8": [1.0]}}
-    assert depth.block_rhos(runs, args)["mean4/s2"] == {"8": [3.0]} and calls[-1] == str(tmp_path / "mean4" / "s2")
+    assert depth.block_rhos(runs, argparse.Namespace(**{**vars(args), "page_only": True})) == {"mean4/s1": rhos["mean4/s1"]}
+    assert depth.block_rhos(runs, args)["mean4/s2"]["8"] == [3.0] and calls[-1] == str(tmp_path / "mean4" / "s2")
 
 
 def run_quick(study_name, tmp_path):

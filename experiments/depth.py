@@ -71,7 +71,7 @@ PARTS = {  # a recipe's name is its parts, joined by "-": the page's key to the 
 BASELINES = ("baseline", "baseline-2400")  # the fixed-depth baselines, one a number of steps
 QUICK = "--max_iters 4 --eval_interval 4 --eval_iters 1 --batch_size 4 --eval_loops 16 --dataset pydoc --stars_warmup 2"
 DEPTHS = (1, 2, 4, 8, 16, 32, 64)
-RHO_AT = (8, 32, 64)  # the loops whose map's ρ the page gives exactly (block_rho)
+RHO_AT = (8, 32, 64)  # the loops where the page gives ρ from the map's blocks (block_rho)
 
 
 def block_rho(model, h0, h, positions):
@@ -120,10 +120,10 @@ def block_rhos(runs, args):
             key, stamp = f"{name}/s{seed}", [meta["commit"], meta["date"]]
             if kept.get(key, {}).get("run") != stamp and not (args.page_only or args.verify):
                 print(f"ρ of {key}'s loop map at {', '.join(map(str, RHO_AT))} loops", flush=True)
-                kept[key] = {"run": stamp, "rho": run_block_rho(os.path.join(args.runs, key))}
+                kept[key] = {"run": stamp, "commit": study.commit(), "rho": run_block_rho(os.path.join(args.runs, key))}
                 study.atomic_write_text(path, json.dumps(kept, indent=1))
             if kept.get(key, {}).get("run") == stamp:
-                out[key] = kept[key]["rho"]
+                out[key] = {**kept[key]["rho"], "commit": kept[key].get("commit")}
     return out
 
 
@@ -222,7 +222,9 @@ def rho_table(runs, rho):
              "largest of the positions' own blocks' ρ over all T positions; the table gives the largest over positions "
              "0, 8, …, T−1, each block's eigenvalues computed exactly (`block_rho`): a lower bound, so a value above 1 "
              "shows the map expands (ρ > 1). Beside it, the run's own reading (`report.loop_map_rho`: 10 power "
-             "iterations, 4 sequences), which converges slowly when the eigenvalues cluster near 1.\n",
+             "iterations, 4 sequences), which converges slowly when the eigenvalues cluster near 1. Computed by this "
+             f"script from each run's checkpoint (`block_rhos`, kept in the runs' rho.json), at commit "
+             f"{', '.join(sorted({str(r.get('commit')) for r in rho.values()}))}.\n",
              "| recipe | " + " | ".join(f"ρ at {k} | run's reading at {k}" for k in at) + f" | seeds with ρ > 1 at "
              f"{at[-1]} |\n|---|" + "---|---|" * len(at) + "---|"]
     below, expands, under = [], [], []
