@@ -75,9 +75,9 @@ RHO_AT = (8, 32, 64)  # the loops where the page gives ρ from the map's blocks 
 
 
 def block_rho(model, h0, h, positions):
-    """ρ of the loop map H -> step(H) at the state h (1, T, d), exactly, from the blocks of the given positions.
+    """ρ of the loop map H -> step(H) at the state h (1, T, d) from the given positions' blocks (all T: ρ exactly).
     Under causal attention ∂step(H)/∂H is block lower-triangular over positions, so its eigenvalues are those of
-    the positions' own d x d blocks ∂step(H)_t/∂H_t, and ρ is the largest over all T of them. A block is d JVPs
+    the positions' own d x d blocks ∂step(H)_t/∂H_t, and ρ is the largest over all T of them (over fewer, a lower bound). A block is d JVPs
     (one per basis vector, as a batch of d copies of the sequence cut after t: nothing later matters), then its
     eigenvalues. Power iteration (report.loop_map_rho) converges slowly here: the eigenvalues of a residual
     map cluster near 1. Returns each position's ρ."""
@@ -201,7 +201,9 @@ def lessons(runs):
     """Per ingredient, seed by seed: the change in cost at K and in rise when it is added to a recipe."""
     pts, mr = points(runs), study.mean_range
     lines = ["\n## What each ingredient does, seed by seed\n", "The recipe minus the same recipe without the "
-             "ingredient, at the same seed: change in cost at K, change in rise (negative is better).\n"]
+             "ingredient, at the same seed: change in cost at K, change in rise (negative is better). A seed fixes "
+             "the initial weights; the batch is drawn after the depth from one generator (`train.step_streams`), so "
+             "rows whose samplers draw differently (`baseline` against `mean4`) also see other batches.\n"]
     for what, name, ref in LESSONS:
         seeds = [s for s in pts.get(name, {}) if s in pts.get(ref, {})]
         if seeds:

@@ -43,6 +43,10 @@ def page(runs, args):
     lines = ["# Paper B at CPU scale: addition at every depth\n", study.provenance(runs, args)]
     lines.append("\nRecipes (`python train.py` options; each run adds `--seed S`):\n")
     lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
+    lines.append("\nA seed fixes the initial weights and the random streams (`train.step_streams`). The batch is drawn "
+                 "after the depth from one generator, so from step 400, where sampling starts, the sampled rows see "
+                 "other batches than the fixed-depth ones (and the same as each other): a seed pairs them in init, "
+                 "not in data.")
     for proto, title in (("accuracy", f"Strict exact match (%, {n_test:,} held-out problems: space, digits and § right)"),
                          ("accuracy_public", "Paper B's protocol (%, first 100 problems, greedy for the answer's "
                                              "length, digits compared as an integer)")):
