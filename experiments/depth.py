@@ -77,10 +77,10 @@ RHO_AT = (8, 32, 64)  # the loops where the page gives ρ from the map's blocks 
 def block_rho(model, h0, h, positions):
     """ρ of the loop map H -> step(H) at the state h (1, T, d) from the given positions' blocks (all T: ρ exactly).
     Under causal attention ∂step(H)/∂H is block lower-triangular over positions, so its eigenvalues are those of
-    the positions' own d x d blocks ∂step(H)_t/∂H_t, and ρ is the largest over all T of them (over fewer, a lower bound). A block is d JVPs
-    (one per basis vector, as a batch of d copies of the sequence cut after t: nothing later matters), then its
-    eigenvalues. Power iteration (report.loop_map_rho) converges slowly here: the eigenvalues of a residual
-    map cluster near 1. Returns each position's ρ."""
+    the positions' own d x d blocks ∂step(H)_t/∂H_t, and ρ is the largest over all T of them (over fewer, a lower
+    bound). A block is d JVPs (one per basis vector, as a batch of d copies of the sequence cut after t: nothing
+    later matters), then its eigenvalues. Power iteration (report.loop_map_rho) converges slowly here: the
+    eigenvalues of a residual map cluster near 1. Returns each position's ρ."""
     d, out = h.shape[-1], []
     for t in positions:
         hs, es = (z[:1, :t + 1].expand(d, -1, -1).contiguous() for z in (h, h0))
