@@ -251,8 +251,14 @@ def page(runs, args, rho=None):
     mr = study.mean_range
     n = min(len(rep["per_loop"]) for seeds in runs.values() for _, rep in seeds.values())
     ks = [k for k in DEPTHS if k <= n]
-    lines = ["# Depth as a dial on text\n", study.provenance(runs, args),
-             "\nA recipe's name is its parts: " + "; ".join(f"`{k}` {v}" for k, v in PARTS.items()) + ". Depth is "
+    findings, effects, rhos = goal(runs), lessons(runs), rho_table(runs, rho or {})
+    short = ([line.strip() for line in findings if line.startswith(("\nThe frontier", "Closest"))]
+             + [line[2:] for line in effects if line.startswith("- depth sampling (")] + [r.strip() for r in rhos[-1:]])
+    lines = ["# Depth as a dial on text\n", study.provenance(runs, args)]
+    lines += ["\n## In short\n", "The goal: CE at 16, 32 and 64 loops within +0.01 of CE at K, CE at K within +0.02 of "
+              "the fixed-depth baseline's. The page: the goal seed by seed, what each ingredient does, then the tables "
+              "by depth.\n", *[f"- {line}" for line in short]] if short else []
+    lines += ["\nA recipe's name is its parts: " + "; ".join(f"`{k}` {v}" for k, v in PARTS.items()) + ". Depth is "
              "sampled as in `mean4` unless the name has `baseline`, `deep` (not `deep32`) or `deq16`.\n",
              "\nRecipes (`python train.py` options; each run adds `--seed S`):\n"]
     lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
@@ -260,6 +266,7 @@ def page(runs, args, rho=None):
     if missing and not args.quick:
         lines.append("\nRows of the script not run for this page (`--rows NAME` runs one): "
                      + ", ".join(f"`{n}`" for n in missing) + ".")
+    lines += findings + effects
     lines.append("\n## CE (nats per byte) at each depth, and the worst rise past 4K: mean (min–max) over seeds\n")
     lines.append("| recipe | seeds | loops a step: all / with gradient | " + " | ".join(f"CE at {k}" for k in ks)
                  + " | rise: worst of 16/32/64 (those ≥ 4K) − CE_K |\n|---|---|---|" + "---|" * (len(ks) + 1))
@@ -277,8 +284,7 @@ def page(runs, args, rho=None):
         cell = lambda k: " / ".join(study.mean_range([m(k, key)], fmt) for key, fmt in
                                     (("norm_mean", ".3g"), ("relative_step", ".1e")))
         lines.append(f"| {name} | " + " | ".join(cell(k) for k in ks) + " |")
-    lines += rho_table(runs, rho or {})
-    lines += goal(runs) + lessons(runs)
+    lines += rhos
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (name, seeds) in enumerate(runs.items()):
         pts = [(ce_K(rep), rise(rep)) for _, rep in seeds.values() if rise(rep) is not None]
