@@ -79,15 +79,18 @@ def test_depth_page_shows_the_runs_and_names_the_rows_not_run(tmp_path):
     runs = {"baseline": {1: run(2.0, 1), 2: run(2.2, 2)}}
     args = argparse.Namespace(study="depth", out=str(tmp_path), runs=str(tmp_path), quick=False, jobs=2, threads=1,
                               device="cpu")
-    rho = {"baseline/s1": {"8": [1.2, 1.3], "32": [1.0, 1.05], "64": [0.85, 0.88]},
-           "baseline/s2": {"8": [1.1], "32": [1.01], "64": [1.02]}}
+    rho = {"baseline/s1": {"rho": {"8": [1.2, 1.3], "32": [1.0, 1.05], "64": [0.85, 0.88]},
+                           "off": {"8": [0.9], "32": [0.95], "64": [0.97]}, "commit": "def5678"},
+           "baseline/s2": {"rho": {"8": [1.1], "32": [1.01], "64": [1.02]},
+                           "off": {"8": [0.8], "32": [0.9], "64": [0.99]}, "commit": "def5678"}}
     text, pngs = depth.page(runs, args, rho)
     assert "| 2.100 (2.000–2.200) |" in text and "| +0.010 (+0.010–+0.010) |" in text
-    # exact ρ: the largest position's, then the run's own reading (0.9), and the seeds where the map contracts at 64
+    # the largest position's ρ, then off the state's direction, then the run's own reading (0.9)
     r = "0.900 (0.900–0.900)"
-    assert (f"| baseline | 1.200 (1.100–1.300) | {r} | 1.030 (1.010–1.050) | {r} | 0.950 (0.880–1.020) | {r} "
-            "| 1 of 2 |") in text and ("At 64 loops ρ > 1, an expanding map, in 1 of 2 runs. Recipes whose bound is below 1 "
-                                 "on every seed: none. The run's reading is below the bound in 5 of 6") in text
+    assert (f"| baseline | 1.200 (1.100–1.300) | 1.030 (1.010–1.050) | 0.950 (0.880–1.020) | 0.850 (0.800–0.900) "
+            f"| 0.925 (0.900–0.950) | 0.980 (0.970–0.990) | {r} | {r} | {r} |") in text
+    assert ("At 64 loops ρ > 1 in 1 of 2 runs; off the state's direction the bound is below 1 on every seed for 1 of 1 "
+            "recipes.") in text and "at commit def5678" in text
     not_run = next(line for line in text.splitlines() if line.startswith("Rows of the script not run"))
     assert "`mean4`" in not_run and "`baseline`" not in not_run and (tmp_path / pngs[0]).stat().st_size > 0
 
@@ -98,34 +101,44 @@ def test_depth_block_rho_is_the_spectral_radius_of_the_whole_loop_map(variant):
     import depth
     import stars
     from conftest import batch, tiny
-    model, T = tiny(**variant), 6
+    model, T, d = tiny(**variant), 6, 32
     x = batch(B=1, T=T)[0]
     with torch.no_grad():
         h0 = model.embed(x)
         h = model.loop_states(x, 3)[-1]
-    step = stars.looplm_step_fn(model, h0)
-    J = torch.autograd.functional.jacobian(step, h).reshape(T * 32, T * 32).double()  # all of it: (T·d)²
-    exact = torch.linalg.eigvals(J).abs().max().item()
-    blocks = depth.block_rho(model, h0, h, range(T))  # every position's own block
-    assert max(blocks) == pytest.approx(exact, rel=1e-5) and exact > 0.5
-    assert blocks[:2] == pytest.approx(depth.block_rho(model, h0, h, [0, 1]), rel=1e-6)  # a block needs no later position
+    J = torch.autograd.functional.jacobian(stars.looplm_step_fn(model, h0), h).reshape(T, d, T, d).double()  # all of it
+    assert all(J[s, :, t].abs().max() == 0 for t in range(T) for s in range(t))  # causal: block lower-triangular
+    rho, off = depth.block_rho(model, h0, h, range(T))  # every position's own block
+    whole = torch.linalg.eigvals(J.reshape(T * d, T * d)).abs().max().item()
+    assert max(rho) == pytest.approx(whole, rel=1e-5) and whole > 0.5
+    for t in range(T):  # each position: its diagonal block of the whole map, and that block off the state's direction
+        u = h[0, t].double() / h[0, t].double().norm()
+        P = torch.eye(d, dtype=torch.float64) - torch.outer(u, u)
+        assert rho[t] == pytest.approx(torch.linalg.eigvals(J[t, :, t]).abs().max().item(), rel=1e-5)
+        assert off[t] == pytest.approx(torch.linalg.eigvals(P @ J[t, :, t] @ P).abs().max().item(), rel=1e-5)
+    if not variant:  # pre-norm: the state's own direction is (nearly) an eigenvector with eigenvalue near 1
+        assert all(torch.allclose(J[t, :, t] @ h[0, t].double(), h[0, t].double(), rtol=0.05, atol=0.05 * h[0, t].norm().item())
+                   for t in range(T))
 
 
 def test_depth_block_rhos_computes_each_run_once_and_again_when_it_is_run_again(tmp_path, monkeypatch):
     import argparse
     import depth
     calls = []
-    monkeypatch.setattr(depth, "run_block_rho", lambda d: calls.append(d) or {"8": [float(len(calls))]})
+    monkeypatch.setattr(depth, "run_block_rho", lambda d: calls.append(d) or {"rho": {"8": [float(len(calls))]},
+                                                                              "off": {"8": [0.5]}})
+    monkeypatch.setattr(depth.study, "commit", lambda: "def5678")
     meta = lambda date: ({"commit": "abc1234", "date": date}, {})
     args = argparse.Namespace(runs=str(tmp_path), page_only=False, verify=False)
     runs = {"mean4": {1: meta("d1"), 2: meta("d1")}}
-    monkeypatch.setattr(depth.study, "commit", lambda: "def5678")
-    rhos = {"mean4/s1": {"8": [1.0], "commit": "def5678"}, "mean4/s2": {"8": [2.0], "commit": "def5678"}}
-    assert depth.block_rhos(runs, args) == rhos
-    assert depth.block_rhos(runs, args) == rhos and len(calls) == 2
-    runs["mean4"][2] = meta("d2")  # seed 2 trained again: its ρ is recomputed; --page_only would show none for it
-    assert depth.block_rhos(runs, argparse.Namespace(**{**vars(args), "page_only": True})) == {"mean4/s1": rhos["mean4/s1"]}
-    assert depth.block_rhos(runs, args)["mean4/s2"]["8"] == [3.0] and calls[-1] == str(tmp_path / "mean4" / "s2")
+    one = lambda i: {"rho": {"8": [float(i)]}, "off": {"8": [0.5]}, "commit": "def5678"}
+    assert depth.block_rhos(runs, args) == {"mean4/s1": one(1), "mean4/s2": one(2)}
+    assert depth.block_rhos(runs, args) == {"mean4/s1": one(1), "mean4/s2": one(2)} and len(calls) == 2
+    runs["mean4"][2] = meta("d2")  # seed 2 trained again: its ρ is recomputed; --page_only shows none for it
+    assert depth.block_rhos(runs, argparse.Namespace(**{**vars(args), "page_only": True})) == {"mean4/s1": one(1)}
+    assert depth.block_rhos(runs, args)["mean4/s2"] == one(3) and calls[-1] == str(tmp_path / "mean4" / "s2")
+    monkeypatch.setattr(depth, "RHO_METHOD", "another")  # a new method: every run again
+    assert depth.block_rhos(runs, args) == {"mean4/s1": one(4), "mean4/s2": one(5)}
 
 
 def run_quick(study_name, tmp_path):

@@ -15,7 +15,7 @@ import os
 import torch
 
 import study
-import stars  # noqa: E402 (study puts the repository on the path)
+import stars  # (study puts the repository on the path)
 
 P = "config/depth_cpu.py"
 LONG = "--max_iters 2400 --eval_interval 2400"  # 4x the steps, evaluated once, at the end
@@ -75,56 +75,113 @@ RHO_AT = (8, 32, 64)  # the loops where the page gives ρ from the map's blocks 
 
 
 def block_rho(model, h0, h, positions):
-    """ρ of the loop map H -> step(H) at the state h (1, T, d) from the given positions' blocks (all T: ρ exactly).
-    Under causal attention ∂step(H)/∂H is block lower-triangular over positions, so its eigenvalues are those of
-    the positions' own d x d blocks ∂step(H)_t/∂H_t, and ρ is the largest over all T of them (over fewer, a lower
-    bound). A block is d JVPs (one per basis vector, as a batch of d copies of the sequence cut after t: nothing
-    later matters), then its eigenvalues. Power iteration (report.loop_map_rho) converges slowly here: the
-    eigenvalues of a residual map cluster near 1. Returns each position's ρ."""
-    d, out = h.shape[-1], []
+    """ρ of the loop map H -> step(H) at the state h (1, T, d) from the given positions' blocks (all T: ρ exactly),
+    and ρ off the state's direction. Under causal attention ∂step(H)/∂H is block lower-triangular over positions,
+    so its eigenvalues are those of the positions' own d x d blocks J_t = ∂step(H)_t/∂H_t, and ρ is the largest
+    over all T of them (over fewer, a lower bound). A block is d JVPs (one per basis vector, as a batch of d copies
+    of the sequence cut after t: nothing later matters), then its eigenvalues. A pre-norm branch reads N(H_t),
+    blind to H_t's scale, so J_t·H_t ≈ H_t: an eigenvalue near 1 along the state itself, the scale the loop carries
+    (and the norm readout ignores). P J_t P, P = I − ĥĥᵀ (ĥ = H_t/‖H_t‖), is the map of the other directions, the
+    ones a readout sees. Power iteration (report.loop_map_rho) converges slowly here: the eigenvalues cluster near
+    1. Returns (ρ of each position's block, ρ of P J_t P)."""
+    d, rho, off = h.shape[-1], [], []
     for t in positions:
         hs, es = (z[:1, :t + 1].expand(d, -1, -1).contiguous() for z in (h, h0))
         basis = torch.zeros_like(hs)
         basis[range(d), t, range(d)] = 1.0
         with torch.enable_grad():
             _, cols = torch.func.jvp(stars.looplm_step_fn(model, es), (hs,), (basis,))
-        out.append(torch.linalg.eigvals(cols.detach()[:, t].T.double()).abs().max().item())
-    return out
+        J = cols.detach()[:, t].T.double()  # column j: J_t e_j
+        u = h[0, t].double() / h[0, t].double().norm()
+        P = torch.eye(d, dtype=J.dtype) - torch.outer(u, u)
+        rho.append(torch.linalg.eigvals(J).abs().max().item())
+        off.append(torch.linalg.eigvals(P @ J @ P).abs().max().item())
+    return rho, off
+
+
+STRIDE = 8  # block_rho at positions 0, 8, 16, ..., T-1
+RHO_METHOD = f"blocks at {RHO_AT}, every {STRIDE} positions, and off the state"  # a change recomputes rho.json
 
 
 def run_block_rho(out_dir):
-    """block_rho at RHO_AT on the run's first validation sequence (report.evaluate_lm's first batch), at
-    positions 0, 8, 16, ..., T-1: {loop: [ρ of each position]}."""
+    """block_rho at RHO_AT on the run's first validation sequence (report.evaluate_lm's first batch):
+    {"rho": {loop: [ρ per position]}, "off": {loop: [ρ off the state per position]}}."""
     import data
     import train
     from checkpoint import load_checkpoint, model_from_checkpoint
+    from configurator import RENAMED
     ckpt = load_checkpoint(out_dir)
-    cfg = train.TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in train.TrainConfig.__dataclass_fields__})
+    saved = {RENAMED.get(k) or k: v for k, v in ckpt["config"].items()}  # checkpoints of older versions
+    cfg = train.TrainConfig(**{k: v for k, v in saved.items() if k in train.TrainConfig.__dataclass_fields__})
+    cfg.cache_dir = os.path.join(study.ROOT, cfg.cache_dir)  # as train.py, which runs in the repository
     _, val, _ = data.load_task_data(cfg, dict(ckpt["model_args"]), ckpt)
     model, T = model_from_checkpoint(ckpt), ckpt["model_args"]["block_size"]
     x, _ = data.get_batch(val, min(cfg.batch_size, 16), T, torch.Generator().manual_seed(cfg.seed + 999))
     with torch.no_grad():
         states, h0 = model.loop_states(x[:1], max(RHO_AT)), model.embed(x[:1])
-    positions = sorted(set(range(0, T, 8)) | {T - 1})
-    return {str(k): block_rho(model, h0, states[k - 2], positions) for k in RHO_AT if k <= cfg.eval_loops}
+    positions = sorted(set(range(0, T, STRIDE)) | {T - 1})
+    out = {str(k): block_rho(model, h0, states[k - 2], positions) for k in RHO_AT}
+    return {"rho": {k: v[0] for k, v in out.items()}, "off": {k: v[1] for k, v in out.items()}}
 
 
 def block_rhos(runs, args):
-    """{run folder: {loop: [ρ per position]}} for the page's runs, from <runs>/rho.json; a run not in it (or
-    run again since) gets run_block_rho, unless --page_only or --verify (which compute nothing new)."""
+    """{"name/sSEED": {"rho": ..., "off": ..., "commit": ...}} for the page's runs, from <runs>/rho.json; a run not
+    in it (or trained again since, or measured by another RHO_METHOD) gets run_block_rho, unless --page_only or
+    --verify (which compute nothing new: such a run's cells read n/a)."""
     path = os.path.join(args.runs, "rho.json")
     kept = study.read_json(path) if os.path.exists(path) else {}
     out = {}
     for name, seeds in runs.items():
         for seed, (meta, _) in seeds.items():
             key, stamp = f"{name}/s{seed}", [meta["commit"], meta["date"]]
-            if kept.get(key, {}).get("run") != stamp and not (args.page_only or args.verify):
+            fresh = lambda: kept.get(key, {}).get("run") == stamp and kept[key].get("method") == RHO_METHOD
+            if not fresh() and not (args.page_only or args.verify):
                 print(f"ρ of {key}'s loop map at {', '.join(map(str, RHO_AT))} loops", flush=True)
-                kept[key] = {"run": stamp, "commit": study.commit(), "rho": run_block_rho(os.path.join(args.runs, key))}
+                kept[key] = {"run": stamp, "method": RHO_METHOD, "commit": study.commit(),
+                             **run_block_rho(os.path.join(args.runs, key))}
                 study.atomic_write_text(path, json.dumps(kept, indent=1))
-            if kept.get(key, {}).get("run") == stamp:
-                out[key] = {**kept[key]["rho"], "commit": kept[key].get("commit")}
+            if fresh():
+                out[key] = {k: kept[key][k] for k in ("rho", "off", "commit")}
     return out
+
+
+def rho_table(runs, rho):
+    """ρ of the loop map at RHO_AT from its blocks (block_rho), off the state's direction, and the run's reading."""
+    keys = [(n, s) for n in runs for s in runs[n]]
+    if not any(f"{n}/s{s}" in rho for n, s in keys):
+        return []
+    get = lambda part, n, s, k: max(rho[f"{n}/s{s}"][part][str(k)]) if f"{n}/s{s}" in rho else None
+    lines = [f"\n## ρ of the loop map at {', '.join(map(str, RHO_AT))} loops, from its blocks: mean (min–max) over seeds\n",
+             "ρ(∂H_k/∂H_{k−1}) at loop k's input, on the first validation sequence (`block_rho`). Under causal "
+             "attention it is the largest of the positions' own blocks' ρ over all T positions; the tables give the "
+             f"largest over positions 0, {STRIDE}, …, T−1, each block's eigenvalues computed exactly: a lower bound. "
+             "**All directions**: with pre-norm blocks the state's own direction has an eigenvalue near 1 (a branch "
+             "reads N(H), blind to its scale): the scale the loop carries, which a norm readout does not see. **Off "
+             "the state**: the block with that direction projected out, the directions a readout sees; below 1, "
+             "nearby states there converge. Then the run's own reading (`report.loop_map_rho`: 10 power iterations, "
+             "4 sequences), which converges slowly when the eigenvalues cluster near 1. Computed by this script from "
+             "each run's checkpoint (`block_rhos`, kept in the runs' rho.json), at commit "
+             f"{', '.join(sorted({str(r.get('commit')) for r in rho.values()}))}.\n"]
+    head = " | ".join(f"at {k}" for k in RHO_AT)
+    lines.append(f"| recipe | all directions: {head} | off the state: {head} | run's reading: {head} |\n|---|"
+                 + "---|" * 3 * len(RHO_AT))
+    for name, seeds in runs.items():
+        cells = [study.mean_range([get(part, name, s, k) for s in seeds], ".3f") for part in ("rho", "off")
+                 for k in RHO_AT]
+        cells += [study.mean_range([rep["per_loop"][k - 1]["spectral_radius"] for _, rep in seeds.values()], ".3f")
+                  for k in RHO_AT]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    K = RHO_AT[-1]
+    have = [(n, s) for n, s in keys if f"{n}/s{s}" in rho]
+    above = sum(get("rho", n, s, K) > 1 for n, s in have)
+    off_below = [n for n in runs if all(f"{n}/s{s}" in rho and get("off", n, s, K) < 1 for s in runs[n])]
+    rest = [n for n in runs if n not in off_below]
+    named = (f": {', '.join(f'`{n}`' for n in off_below)}" if len(off_below) <= len(rest)
+             else f", all but {', '.join(f'`{n}`' for n in rest)}") if off_below and rest else ""
+    lines.append(f"\nAt {K} loops ρ > 1 in {above} of {len(have)} runs; off the state's direction the bound is below 1 "
+                 f"on every seed for {len(off_below)} of {len(runs)} recipes{named}."
+                 + (f" No ρ yet for {len(keys) - len(have)} runs (trained again since?)." if len(have) < len(keys) else ""))
+    return lines
 
 
 def rise(rep):
@@ -212,37 +269,6 @@ def lessons(runs):
                          f"{mr([r for _, r in d], '+.3f')}; lower cost on {sum(c < 0 for c, _ in d)} of {len(d)} "
                          f"seeds, lower rise on {sum(r < 0 for _, r in d)} of {len(d)}")
     return lines if len(lines) > 2 else []
-
-
-def rho_table(runs, rho):
-    """ρ of the loop map at RHO_AT from its blocks (block_rho), beside the run's own power-iteration reading."""
-    at = [k for k in RHO_AT if all(f"{n}/s{s}" in rho and str(k) in rho[f"{n}/s{s}"] for n in runs for s in runs[n])]
-    if not at:
-        return []
-    lines = [f"\n## ρ of the loop map at {', '.join(map(str, at))} loops, from its blocks: mean (min–max) over seeds\n",
-             "ρ(∂H_k/∂H_{k−1}) at loop k's input, on the first validation sequence. Under causal attention it is the "
-             "largest of the positions' own blocks' ρ over all T positions; the table gives the largest over positions "
-             "0, 8, …, T−1, each block's eigenvalues computed exactly (`block_rho`): a lower bound, so a value above 1 "
-             "shows the map expands (ρ > 1). Beside it, the run's own reading (`report.loop_map_rho`: 10 power "
-             "iterations, 4 sequences), which converges slowly when the eigenvalues cluster near 1. Computed by this "
-             f"script from each run's checkpoint (`block_rhos`, kept in the runs' rho.json), at commit "
-             f"{', '.join(sorted({str(r.get('commit')) for r in rho.values()}))}.\n",
-             "| recipe | " + " | ".join(f"ρ at {k} | run's reading at {k}" for k in at) + f" | seeds with ρ > 1 at "
-             f"{at[-1]} |\n|---|" + "---|---|" * len(at) + "---|"]
-    below, expands, under = [], [], []
-    for name, seeds in runs.items():
-        exact = {k: [max(rho[f"{name}/s{s}"][str(k)]) for s in seeds] for k in at}
-        read = {k: [rep["per_loop"][k - 1]["spectral_radius"] for _, rep in seeds.values()] for k in at}
-        lines.append(f"| {name} | " + " | ".join(f"{study.mean_range(exact[k], '.3f')} | "
-                                               f"{study.mean_range(read[k], '.3f')}" for k in at)
-                     + f" | {sum(r > 1 for r in exact[at[-1]])} of {len(seeds)} |")
-        below += [(r < e) for k in at for e, r in zip(exact[k], read[k])]
-        expands += [e > 1 for e in exact[at[-1]]]
-        under += [f"`{name}`"] if all(e < 1 for e in exact[at[-1]]) else []
-    lines.append(f"\nAt {at[-1]} loops ρ > 1, an expanding map, in {sum(expands)} of {len(expands)} runs. Recipes whose "
-                 f"bound is below 1 on every seed: {', '.join(under) or 'none'}. The run's reading is below the bound "
-                 f"in {sum(below)} of {len(below)} (run, loop) pairs.")
-    return lines
 
 
 def page(runs, args, rho=None):
