@@ -89,8 +89,8 @@ def test_depth_page_shows_the_runs_and_names_the_rows_not_run(tmp_path):
     r = "0.900 (0.900–0.900)"
     assert (f"| baseline | 1.200 (1.100–1.300) | 1.030 (1.010–1.050) | 0.950 (0.880–1.020) | 0.850 (0.800–0.900) "
             f"| 0.925 (0.900–0.950) | 0.980 (0.970–0.990) | {r} | {r} | {r} |") in text
-    assert ("At 64 loops ρ > 1 in 1 of 2 runs; off the state's direction the bound is below 1 on every seed for 1 of 1 "
-            "recipes.") in text and "at commit def5678" in text
+    assert ("At 64 loops ρ > 1 in 1 of 2 runs, and off the state's own direction (not the carried scale) in 0 of 2. Off "
+            "the state the bound is below 1 on every seed for 1 of 1 recipes.") in text and "at commit def5678" in text
     not_run = next(line for line in text.splitlines() if line.startswith("Rows of the script not run"))
     assert "`mean4`" in not_run and "`baseline`" not in not_run and (tmp_path / pngs[0]).stat().st_size > 0
 

@@ -178,8 +178,10 @@ def rho_table(runs, rho):
     rest = [n for n in runs if n not in off_below]
     named = (f": {', '.join(f'`{n}`' for n in off_below)}" if len(off_below) <= len(rest)
              else f", all but {', '.join(f'`{n}`' for n in rest)}") if off_below and rest else ""
-    lines.append(f"\nAt {K} loops ρ > 1 in {above} of {len(have)} runs; off the state's direction the bound is below 1 "
-                 f"on every seed for {len(off_below)} of {len(runs)} recipes{named}."
+    off_above = sum(get("off", n, s, K) > 1 for n, s in have)
+    lines.append(f"\nAt {K} loops ρ > 1 in {above} of {len(have)} runs, and off the state's own direction (not the carried "
+                 f"scale) in {off_above} of {len(have)}. Off the state the bound is below 1 on every seed for "
+                 f"{len(off_below)} of {len(runs)} recipes{named}."
                  + (f" No ρ yet for {len(keys) - len(have)} runs (trained again since?)." if len(have) < len(keys) else ""))
     return lines
 
