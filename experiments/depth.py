@@ -134,13 +134,14 @@ def block_rhos(runs, args):
     for name, seeds in runs.items():
         for seed, (meta, _) in seeds.items():
             key, stamp = f"{name}/s{seed}", [meta["commit"], meta["date"]]
-            fresh = lambda: kept.get(key, {}).get("run") == stamp and kept[key].get("method") == RHO_METHOD
-            if not fresh() and not (args.page_only or args.verify):
+            fresh = kept.get(key, {}).get("run") == stamp and kept[key].get("method") == RHO_METHOD
+            if not fresh and not (args.page_only or args.verify):
                 print(f"ρ of {key}'s loop map at {', '.join(map(str, RHO_AT))} loops", flush=True)
                 kept[key] = {"run": stamp, "method": RHO_METHOD, "commit": study.commit(),
                              **run_block_rho(os.path.join(args.runs, key))}
                 study.atomic_write_text(path, json.dumps(kept, indent=1))
-            if fresh():
+                fresh = True
+            if fresh:
                 out[key] = {k: kept[key][k] for k in ("rho", "off", "commit")}
     return out
 
@@ -175,9 +176,7 @@ def rho_table(runs, rho):
     have = [(n, s) for n, s in keys if f"{n}/s{s}" in rho]
     above = sum(get("rho", n, s, K) > 1 for n, s in have)
     off_below = [n for n in runs if all(f"{n}/s{s}" in rho and get("off", n, s, K) < 1 for s in runs[n])]
-    rest = [n for n in runs if n not in off_below]
-    named = (f": {', '.join(f'`{n}`' for n in off_below)}" if len(off_below) <= len(rest)
-             else f", all but {', '.join(f'`{n}`' for n in rest)}") if off_below and rest else ""
+    named = f": {', '.join(f'`{n}`' for n in off_below)}" if 0 < len(off_below) < len(runs) else ""
     off_above = sum(get("off", n, s, K) > 1 for n, s in have)
     lines.append(f"\nAt {K} loops ρ > 1 in {above} of {len(have)} runs, and off the state's own direction (not the carried "
                  f"scale) in {off_above} of {len(have)}. Off the state the bound is below 1 on every seed for "
