@@ -187,13 +187,13 @@ def lr_at(cfg, it, max_iters):
 
 # ---------------------------------------------------------------- the training loop
 def step_streams(cfg, it, rank, device):
-    """Step `it`'s random streams, each a pure function of (seed, step, rank), so a resumed run replays the
-    uninterrupted one (exactly on CPU). In the order a step draws from them:
-    - depth: a generator of (seed, step), the same on every rank; the sampled depth is drawn first;
-    - batch: on rank 0 that same generator, after the depth (so runs of one seed share batches only if their
-      samplers draw alike: fixed draws nothing, lognormal one number); on rank r its own, (seed + 7919·r, step);
-    - penalty, STARS's direction v: on CPU the batch generator again, after the batch; on a GPU (seed, step, rank);
-    - dropout and the random start's noise: torch's global generator, seeded here. Returns (depth, batch, penalty)."""
+    """Step `it`'s random generators, seeded by (seed, step, rank) alone: a resumed run draws what the uninterrupted
+    one drew (exactly on CPU). One CPU process, the common case: one generator of (seed, step) draws the depth, then
+    the batch, then STARS's direction v. So runs of one seed share batches only while their depth samplers draw alike
+    (fixed: nothing; lognormal: one number). Rank r > 0 draws its batch and v from its own (seed + 7919·r, step)
+    (the depth stays common); on a GPU, v comes from a device generator of (seed, step, rank). Dropout and the random
+    start's noise use torch's global generator, seeded here. Returns the (depth, batch, penalty) generators.
+    """
     torch.manual_seed(cfg.seed * 1_000_003 + it * 1009 + rank)
     depth = stars.step_generator(cfg.seed, it)
     batch = stars.step_generator(cfg.seed + 7919 * rank, it) if rank else depth
