@@ -192,6 +192,24 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
     assert json.load(open(rep_path))["config"]["learning_rate"] == 0.001
 
 
+def test_since_reads_the_commits_a_page_names_and_says_what_changed_after_them(tmp_path):
+    head = study.commit().split("+")[0]
+    meta = {"commit": head, "date": "2026-12-03T10:00:00", "machine": "here", "wall_s": 60}
+    (tmp_path / "verify.json").write_text(json.dumps({"row": {  # a check at a commit git cannot read: told apart
+        "seed": 1, "commit": "0000000", "runs_commit": head, "runs_date": meta["date"], "numbers": 5, "differ": 0,
+        "first_differences": [], "added": []}}))
+    args = type("Args", (), {"study": "t", "runs": str(tmp_path), "threads": 1, "jobs": 1, "device": "cpu"})
+    (tmp_path / "t.md").write_text("# t\n\n" + study.provenance({"row": {1: (meta, {})}}, args) + "\n| a | table |\n")
+    said = study.page_since(str(tmp_path / "t.md"))
+    assert f"against the runs (at {head}): {study.since([head])}." in said
+    assert "against the rerun checks (at 0000000): not compared (git could not read commit 0000000)." in said
+    for page in ("quickstart", "paper_a", "paper_b", "depth"):  # the committed pages: each names its runs and checks
+        assert "against the rerun checks (at " in study.page_since(os.path.join(HERE, "experiments", page + ".md"))
+    (tmp_path / "plain.md").write_text("# no header\n")
+    with pytest.raises(SystemExit, match="no study page"):
+        study.page_since(str(tmp_path / "plain.md"))
+
+
 def test_differences_count_every_number_and_name_each_that_differs():
     a = {"config": {"lr": 1}, "per_loop": [{"ce": 2.0, "ppl": 7.4}], "rho": float("nan"), "note": "x"}
     b = {"config": {"lr": 2}, "per_loop": [{"ce": 2.0, "ppl": 7.5}], "rho": float("nan"), "note": "x"}

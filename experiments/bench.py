@@ -21,6 +21,7 @@ p.add_argument("--data_dir", default="", help="a folder of WikiText-2 files for 
 p.add_argument("--iters", type=int, default=100, help="training steps of each preset's short run (default 100)")
 p.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)), help="folder of the page (default: here)")
 args = p.parse_args()
+os.makedirs(args.out, exist_ok=True)  # (before the runs: a page with nowhere to go is found out at the end)
 
 
 def bench(*extra, repo=""):

@@ -49,6 +49,8 @@ def parse(study, doc, default_seeds, quick_args, jobs=2, threads=1):
     p.add_argument("--quick", action="store_true", help="two rows, one seed, a few steps: checks the pipeline")
     p.add_argument("--dry_run", action="store_true", help="print the commands and exit")
     p.add_argument("--page_only", action="store_true", help="run nothing: the page from the runs that have finished")
+    p.add_argument("--since", action="store_true", help="run nothing: what the code here changed since the runs and the "
+                   "rerun checks that the page names (no runs needed: a fresh clone can ask)")
     p.add_argument("--verify", action="store_true", help="train the first seed of each row in --rows (default: the first "
                    "row) again from scratch here, compare every number with its finished run, then write the page")
     args = p.parse_args()
@@ -59,6 +61,9 @@ def parse(study, doc, default_seeds, quick_args, jobs=2, threads=1):
     args.study = study
     args.runs = os.path.abspath(args.runs or os.path.join(ROOT, "runs", study + ("-quick" if args.quick else "")))
     args.out = os.path.abspath(args.out or (args.runs if args.quick else os.path.dirname(os.path.abspath(sys.argv[0]))))
+    if args.since:
+        print(page_since(page_path(args)))
+        raise SystemExit(0)
     os.makedirs(args.out, exist_ok=True)
     os.chdir(ROOT)  # where train.py runs and its presets' paths start (--runs and --out are absolute by now)
     return args
@@ -303,6 +308,23 @@ def since(commits, c=None):
             else "unchanged" + (f" but for wording ({notes})" if notes else ""))
 
 
+def page_since(path):
+    """--since: a page's header names the commits of its runs and of its rerun checks; what this checkout's
+    TRAINING_CODE changed since each, in since()'s words. A page's numbers hold here if the code is unchanged, or
+    changed in wording only, since its checks."""
+    import re
+    text = open(path).read() if os.path.exists(path) else ""
+    runs = re.search(r"\*\*Runs:\*\*.*? at commit ([0-9a-f+, ]+), dated", text)
+    if not runs:
+        raise SystemExit(f"--since: {path} is no study page with its header (write it with the study's command)")
+    commits = lambda found: sorted({c.strip() for c in found})
+    checks = commits(re.findall(r", checked at ([0-9a-f+]+):", text))
+    lines = [f"{os.path.relpath(path)}: code here ({commit()}) against the runs (at {runs.group(1)}): "
+             f"{since(commits(runs.group(1).split(',')))}."]
+    lines.append(f"against the rerun checks (at {', '.join(checks)}): {since(checks)}." if checks else "no rerun checks.")
+    return "\n".join(lines)
+
+
 def bare_tree(source, messages=False):
     """A Python file's syntax tree without its docstrings (None if it does not parse); with messages, also
     without the words of its help text and messages: the strings of setting(...) after its default, of print(...)
@@ -390,9 +412,14 @@ def provenance(runs, args):
     return "\n".join(lines) + "\n"
 
 
+def page_path(args):
+    """experiments/<study>.md, or in --out; with --quick, <study>-quick.md."""
+    return os.path.join(args.out, f"{args.study}{'-quick' if args.quick else ''}.md")
+
+
 def write_page(args, text, figures=()):
-    """experiments/<study>.md (or --out): the page's text."""
-    path = os.path.join(args.out, f"{args.study}{'-quick' if args.quick else ''}.md")
+    """The page's text, at page_path."""
+    path = page_path(args)
     with open(path, "w") as f:
         f.write(text)
     print(f"wrote {path}" + "".join(f", {os.path.join(args.out, p)}" for p in figures))
