@@ -158,8 +158,9 @@ def rho_table(runs, rho):
              f"largest over positions 0, {STRIDE}, …, T−1, each block's eigenvalues computed exactly: a lower bound. "
              "**All directions**: with pre-norm blocks the state's own direction has an eigenvalue near 1 (a branch "
              "reads N(H), blind to its scale): the scale the loop carries, which a norm readout does not see. **Off "
-             "the state**: the block with that direction projected out, the directions a readout sees; below 1, "
-             "nearby states there converge. Then the run's own reading (`report.loop_map_rho`: 10 power iterations, "
+             "the state**: the block with that direction projected out, the directions a readout sees. A block below 1 "
+             "draws nearby states together at its position; a maximum below 1 over the positions measured does not "
+             "show that every position's does. Then the run's own reading (`report.loop_map_rho`: 10 power iterations, "
              "4 sequences), which converges slowly when the eigenvalues cluster near 1. Computed by this script from "
              "each run's checkpoint (`block_rhos`, kept in the runs' rho.json), at commit "
              f"{', '.join(sorted({str(r.get('commit')) for r in rho.values()}))}.\n"]
