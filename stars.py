@@ -14,7 +14,8 @@ Here ‖Jv‖ is one step of power iteration from a random direction, which the 
 ρ(J) ≈ ‖Jv‖. What it measures is E‖Jv‖² = ‖J‖_F²/n, the mean squared singular value of J
 (n = T·C per sample): pushing it down pulls the spectrum down on average, but it neither bounds
 nor equals ρ, which can sit near 1 while ‖Jv‖ is small (spectral_radius measures ρ itself).
-It costs one extra pass through ONE loop step. The number of loops t is sampled per training
+It costs a pass through ONE loop step, not the whole loop (the default VJP: forward, backward and, for
+the weights' gradient, a double backward through that step). The number of loops t is sampled per training
 step (sample_loops), so the penalty meets the state at many depths.
 
 To use it on another model you need a function step(h) -> next h whose parameters require
