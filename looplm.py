@@ -418,9 +418,9 @@ SCALES = (1 / 64, 1 / 16, 1 / 4, 1, 4, 16, 64)
 @torch.no_grad()
 def scale_probe(model, h_prev, h0, scales=SCALES):
     """Paper A's Lemma 2, probed: one loop's relative step from its input H = H_{k-1} rescaled by s,
-    relative_step(s·H, step(s·H)), for each s. Pre-norm branches read only H's direction (the first layer
-    exactly, N(s·H) = N(H); a later one reads N(s·H + O(1)), which tends to N(H) as s grows), so the update
-    step(s·H) − s·H barely changes with s and the relative step falls as 1/s (log-log slope −1): the larger
-    the state, the less a loop can turn it (with inject, once s·H outweighs H_0). With loop_norm the next loop
-    reads RMSNorm(s·H), whatever s."""
+    relative_step(s·H, step(s·H)), for each s. Pre-norm branches read only H's direction (the first branch,
+    layer 1's attention, exactly: N(s·H) = N(H); every later one reads N(s·H + O(1)) → N(H) as s grows), so the
+    update step(s·H) − s·H barely changes with s and the relative step falls as 1/s (log-log slope −1): the
+    larger the state, the less a loop can turn it (with inject, once s·H outweighs H_0). With loop_norm the next
+    loop reads RMSNorm(s·H), whatever s."""
     return [relative_step(s * h_prev, model.step(s * h_prev, h0)) for s in scales]

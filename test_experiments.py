@@ -194,20 +194,28 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
 
 def test_since_reads_the_commits_a_page_names_and_says_what_changed_after_them(tmp_path):
     head = study.commit().split("+")[0]
-    meta = {"commit": head, "date": "2026-12-03T10:00:00", "machine": "here", "wall_s": 60}
-    (tmp_path / "verify.json").write_text(json.dumps({"row": {  # a check at a commit git cannot read: told apart
-        "seed": 1, "commit": "0000000", "runs_commit": head, "runs_date": meta["date"], "numbers": 5, "differ": 0,
-        "first_differences": [], "added": []}}))
+    dirty = head + "+changes"  # a run made from a working tree with changes: the page says so, --since reads it
+    meta = lambda c: {"commit": c, "date": "2026-12-03T10:00:00", "machine": "here", "wall_s": 60}
+    check = lambda c, runs_commit: {"seed": 1, "commit": c, "runs_commit": runs_commit, "runs_date": "2026-12-03T10:00:00",
+                                    "numbers": 5, "differ": 0, "first_differences": [], "added": []}
     args = type("Args", (), {"study": "t", "runs": str(tmp_path), "threads": 1, "jobs": 1, "device": "cpu"})
-    (tmp_path / "t.md").write_text("# t\n\n" + study.provenance({"row": {1: (meta, {})}}, args) + "\n| a | table |\n")
+    runs = {"a": {1: (meta(head), {})}, "b": {1: (meta(dirty), {})}}
+    (tmp_path / "verify.json").write_text(json.dumps({"a": check("0000000", head), "b": check(dirty, dirty)}))
+    (tmp_path / "t.md").write_text("# t\n\n" + study.provenance(runs, args) + "\n| a | table |\n")
     said = study.page_since(str(tmp_path / "t.md"))
-    assert f"against the runs (at {head}): {study.since([head])}." in said
-    assert "against the rerun checks (at 0000000): not compared (git could not read commit 0000000)." in said
+    assert f"against the runs (at {', '.join(sorted([head, dirty]))}): {study.since([head, dirty])}." in said
+    assert "(uncommitted changes)" in said  # the dirty commit was read, not dropped
+    assert f"against the rerun checks (at 0000000, {dirty}): not compared (git could not read commit" in said
+    os.remove(tmp_path / "verify.json")  # a page without checks says so
+    (tmp_path / "t.md").write_text("# t\n\n" + study.provenance({"a": runs["a"]}, args))
+    assert study.page_since(str(tmp_path / "t.md")).endswith("\nno rerun checks.")
     for page in ("quickstart", "paper_a", "paper_b", "depth"):  # the committed pages: each names its runs and checks
         assert "against the rerun checks (at " in study.page_since(os.path.join(HERE, "experiments", page + ".md"))
     (tmp_path / "plain.md").write_text("# no header\n")
-    with pytest.raises(SystemExit, match="no study page"):
+    with pytest.raises(SystemExit, match="no study page's header"):
         study.page_since(str(tmp_path / "plain.md"))
+    with pytest.raises(SystemExit, match="no page at"):
+        study.page_since(str(tmp_path / "missing.md"))
 
 
 def test_differences_count_every_number_and_name_each_that_differs():

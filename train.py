@@ -188,11 +188,11 @@ def lr_at(cfg, it, max_iters):
 # ---------------------------------------------------------------- the training loop
 def step_streams(cfg, it, rank, device):
     """Step `it`'s random generators, seeded by (seed, step, rank) alone: a resumed run draws what the uninterrupted
-    one drew (exactly on CPU). One CPU process: one generator of (seed, step) draws the depth, then the batch, then
-    STARS's direction v (per micro-batch: batch, v, batch, v...). So runs of one seed share batches only while what
-    they draw before each is alike (the depth: fixed draws nothing, lognormal one number; v), or always with
-    --window_stride (data.windows_batch: a function of seed and step). Rank r > 0 draws its batch and v from its own
-    (seed + 7919·r, step) (the depth stays common); on a GPU, v comes from a device generator of (seed, step, rank).
+    one drew (exactly on CPU). One process: one generator of (seed, step) draws the depth (once sampling starts),
+    then per micro-batch the batch and, on CPU once λ > 0, STARS's direction v. So runs of one seed share batches
+    only while what they draw before each is alike (fixed draws nothing, lognormal one number; v), or always with
+    --window_stride (data.windows_batch: a function of seed, step, micro-batch and rank). Rank r > 0 draws its batch
+    and v from its own (seed + 7919·r, step); on a GPU, v comes from a device generator of (seed, step, rank).
     Dropout and the random start's noise use torch's global generator, seeded here. Returns (depth, batch, penalty)."""
     torch.manual_seed(cfg.seed * 1_000_003 + it * 1009 + rank)
     depth = stars.step_generator(cfg.seed, it)

@@ -313,12 +313,14 @@ def page_since(path):
     TRAINING_CODE changed since each, in since()'s words. A page's numbers hold here if the code is unchanged, or
     changed in wording only, since its checks."""
     import re
-    text = open(path).read() if os.path.exists(path) else ""
-    runs = re.search(r"\*\*Runs:\*\*.*? at commit ([0-9a-f+, ]+), dated", text)
+    if not os.path.isfile(path):
+        raise SystemExit(f"--since: no page at {path} (write it with the study's command, or point --out at it)")
+    text = open(path).read()
+    runs = re.search(r"\*\*Runs:\*\*.*? at commit ([^\s,]+(?:, [^\s,]+)*), dated", text)
     if not runs:
-        raise SystemExit(f"--since: {path} is no study page with its header (write it with the study's command)")
+        raise SystemExit(f"--since: {path} has no study page's header (a **Runs:** line): not a page a study wrote")
     commits = lambda found: sorted({c.strip() for c in found})
-    checks = commits(re.findall(r", checked at ([0-9a-f+]+):", text))
+    checks = commits(re.findall(r", checked at ([^\s:]+):", text))
     lines = [f"{os.path.relpath(path)}: code here ({commit()}) against the runs (at {runs.group(1)}): "
              f"{since(commits(runs.group(1).split(',')))}."]
     lines.append(f"against the rerun checks (at {', '.join(checks)}): {since(checks)}." if checks else "no rerun checks.")
