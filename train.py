@@ -94,8 +94,8 @@ class TrainConfig:
                                     "loop_max)", above=0.0, hi=100_000.0)
     loop_start: int = setting(0, "sample depths from this step on; before it train at n_loops (a curriculum: the shallow "
                                  "task first; Paper B: 0)", lo=0, hi=10**12)
-    grad_loops: int = setting(0, "truncated backprop, gradient through the last N loops only (0: every loop, as Paper B; "
-                                 "Huginn: 8; fixed depth n_loops > N: a DEQ-style target)", lo=0, hi=100_000)
+    grad_loops: int = setting(0, "from --loop_start on, truncated backprop: gradient through the last N loops only (0: "
+                                 "every loop, Paper B; Huginn: 8; fixed depth n_loops > N: a DEQ-style target)", lo=0, hi=100_000)
     grad_first: int = setting(0, "with --grad_loops, the first N loops get gradient too: with per-loop CE their exits "
                                  "are trained (a DEQ-style target mixed with early exits)", lo=0, hi=100_000)
     stars_lambda: float = setting(0.0, "STARS: weight of the Jacobian penalty (Paper B: 0.1; 0 = off)", lo=0.0, hi=1.0)
