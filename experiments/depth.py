@@ -103,10 +103,8 @@ STRIDE = 8  # block_rho at positions 0, 8, 16, ..., T-1
 RHO_METHOD = f"blocks at {RHO_AT}, every {STRIDE} positions, and off the state"  # a change recomputes rho.json
 
 
-def run_block_rho(out_dir):
-    """block_rho at RHO_AT on the run's first validation sequence (report.evaluate_lm's first batch):
-    {"rho": {loop: [ρ per position]}, "off": {loop: [ρ off the state per position]}}."""
-    import data
+def load_run(out_dir):
+    """A finished run's settings (a train.TrainConfig, older names mapped) and its model in eval mode."""
     import train
     from checkpoint import load_checkpoint, model_from_checkpoint
     from configurator import RENAMED
@@ -114,8 +112,16 @@ def run_block_rho(out_dir):
     saved = {RENAMED.get(k) or k: v for k, v in ckpt["config"].items()}  # checkpoints of older versions
     cfg = train.TrainConfig(**{k: v for k, v in saved.items() if k in train.TrainConfig.__dataclass_fields__})
     cfg.cache_dir = os.path.join(study.ROOT, cfg.cache_dir)  # as train.py, which runs in the repository
+    return cfg, ckpt, model_from_checkpoint(ckpt)
+
+
+def run_block_rho(out_dir):
+    """block_rho at RHO_AT on the run's first validation sequence (report.evaluate_lm's first batch):
+    {"rho": {loop: [ρ per position]}, "off": {loop: [ρ off the state per position]}}."""
+    import data
+    cfg, ckpt, model = load_run(out_dir)
     _, val, _ = data.load_task_data(cfg, dict(ckpt["model_args"]), ckpt)
-    model, T = model_from_checkpoint(ckpt), ckpt["model_args"]["block_size"]
+    T = ckpt["model_args"]["block_size"]
     x, _ = data.get_batch(val, min(cfg.batch_size, 16), T, torch.Generator().manual_seed(cfg.seed + 999))
     with torch.no_grad():
         states, h0 = model.loop_states(x[:1], max(RHO_AT)), model.embed(x[:1])
@@ -124,25 +130,26 @@ def run_block_rho(out_dir):
     return {"rho": {k: v[0] for k, v in out.items()}, "off": {k: v[1] for k, v in out.items()}}
 
 
-def block_rhos(runs, args):
-    """{"name/sSEED": {"rho": ..., "off": ..., "commit": ...}} for the page's runs, from <runs>/rho.json; a run not
-    in it (or trained again since, or measured by another RHO_METHOD) gets run_block_rho, unless --page_only or
-    --verify (which compute nothing new: such a run's cells read n/a)."""
+def block_rhos(runs, args, measure=None, method=None):
+    """{"name/sSEED": {..., "commit": ...}} for the page's runs, from <runs>/rho.json; a run not in it (or trained
+    again since, or measured by another method) gets measure(its folder) (default run_block_rho), unless
+    --page_only or --verify (which compute nothing new: such a run's cells read n/a)."""
+    measure, method = measure or run_block_rho, method or RHO_METHOD  # (looked up here: a test may swap them)
     path = os.path.join(args.runs, "rho.json")
     kept = study.read_json(path) if os.path.exists(path) else {}
     out = {}
     for name, seeds in runs.items():
         for seed, (meta, _) in seeds.items():
             key, stamp = f"{name}/s{seed}", [meta["commit"], meta["date"]]
-            fresh = kept.get(key, {}).get("run") == stamp and kept[key].get("method") == RHO_METHOD
+            fresh = kept.get(key, {}).get("run") == stamp and kept[key].get("method") == method
             if not fresh and not (args.page_only or args.verify):
-                print(f"ρ of {key}'s loop map at {', '.join(map(str, RHO_AT))} loops", flush=True)
-                kept[key] = {"run": stamp, "method": RHO_METHOD, "commit": study.commit(),
-                             **run_block_rho(os.path.join(args.runs, key))}
+                print(f"ρ of {key}'s loop map from its blocks", flush=True)
+                kept[key] = {"run": stamp, "method": method, "commit": study.commit(),
+                             **measure(os.path.join(args.runs, key))}
                 study.atomic_write_text(path, json.dumps(kept, indent=1))
                 fresh = True
             if fresh:
-                out[key] = {k: kept[key][k] for k in ("rho", "off", "commit")}
+                out[key] = {k: v for k, v in kept[key].items() if k not in ("run", "method")}
     return out
 
 
