@@ -271,3 +271,17 @@ def test_quickstart_rows_are_the_readme_commands():
     commands = [line.split("#")[0].split(" --out_dir")[0].strip() for line in readme.splitlines()
                 if line.startswith("python train.py config/")]
     assert commands == [f"python train.py {options}" for options in quickstart.ROWS.values()]
+
+
+def test_addition_rho_page_sets_the_blocks_beside_the_runs_reading_and_counts_the_seeds(tmp_path, monkeypatch):
+    import argparse
+    import addition_rho
+    monkeypatch.setattr(study, "provenance", lambda runs, args: "(header)\n")
+    rep = lambda r: {"addition": {"spectral_radius_answer": {"64": r}}}
+    runs = {"stars": {1: ({}, rep(0.998)), 2: ({}, rep(0.97))}}
+    blocks = lambda a, b: {"rho": {str(k): {"all": a, "answer": b, "off": b} for k in addition_rho.AT}, "commit": "abc"}
+    rho = {"stars/s1": blocks([1.02, 1.04], [1.0, 1.02]), "stars/s2": blocks([0.95, 0.99], [0.94, 0.96])}
+    text, _ = addition_rho.page(runs, argparse.Namespace(), rho)
+    assert "| stars | 1 | 1.030 (1.020–1.040) | 1.010 (1.000–1.020) | 1.010 (1.000–1.020) | 0.998 |" in text
+    assert ("- `stars`: ρ < 1 on every problem, every position, on 1 of 2 seeds; at the answer positions on 1 of 2; "
+            "the run's reading < 1 on 2 of 2.") in text

@@ -5,7 +5,8 @@ depth.md). Here the eigenvalues themselves, from the loop map's blocks.
 
     python experiments/addition_rho.py            # three of paper_b.py's rows on seeds 1, 2, then addition_rho.md
 
-The rows are paper_b.py's commands, so a run here is that study's run of the same seed. A problem is short
+The rows are paper_b.py's commands (run again here: on another machine the digits need not match paper_b.md's
+runs of the same seed exactly; compare the two pages). A problem is short
 (15 tokens), so depth.block_rho takes every position's d × d block: ρ of the loop map on that problem exactly,
 not a lower bound; and at the answer positions alone, the ρ that paper_b.md's reading estimates.
 """
