@@ -338,7 +338,8 @@ PHASES = {  # where a run's time goes: cumulative seconds in these functions (cP
     "report and plots": "report.write_report", "sample": "sample.generate",
     "checkpoints": ("checkpoint.save_checkpoint", "report.save_checkpoint")}  # (report.py's before checkpoint.py)
 EVAL_PARTS = {  # inside the evaluation; what is left of it is CE, norms, relative step, strict exact match
-    "eval: radial fraction": "looplm.radial_fraction", "eval: ρ power iteration": "report.loop_map_rho",
+    "eval: radial fraction": "looplm.radial_fraction",
+    "eval: ρ": ("report.loop_rho", "report.loop_map_rho"),  # (loop_map_rho: an older commit's, for --against)
     "eval: tokens/s": "report.depth_throughput", "eval: public addition protocol": "report.public_addition_accuracy",
     "eval: scale probe": "looplm.scale_probe"}
 
@@ -375,7 +376,7 @@ def preset_runs(args):
         sec = {phase: total(fns) for phase, fns in PHASES.items()}
         sec["train steps"] -= cum.get("train.evaluate_and_save", 0.0)  # the evaluations and saves it makes
         sec["start-up"] = wall - sum(sec.values())                    # process start, imports, the model
-        parts = {part: cum.get(fn, 0.0) for part, fn in EVAL_PARTS.items()}
+        parts = {part: total(fns) for part, fns in EVAL_PARTS.items()}
         sec["eval: CE, norms, relative step, exact match"] = sec.pop("evaluation") - sum(parts.values())
         sec.update(parts)
         steps = sec["train steps"]
@@ -388,8 +389,8 @@ SPINS = ("300000", "3000", "0")  # GOMP_SPINCOUNT: libgomp's default, train.py's
 
 
 def busy_runs(args):
-    """--busy: does a run collapse on a shared machine? Wall seconds of N steps of config/cpu_tiny.py (train.py, no
-    evaluation) with torch's default threads at each OpenMP spin count (SPINS) and on one thread, alone and then
+    """--busy: does a run collapse on a shared machine? Wall seconds of N steps of config/cpu_tiny.py (train.py, its
+    final evaluation cut to one batch at loop 1) with torch's default threads at each OpenMP spin count (SPINS) and on one thread, alone and then
     beside another run of it on one thread. OpenMP's threads spin while they wait for work; with the cores taken,
     the spinning takes them from the other run."""
     import tempfile
@@ -398,6 +399,7 @@ def busy_runs(args):
 
     def train(tmp, name, threads, spins, steps):
         argv = ["config/cpu_tiny.py", "--max_iters", str(steps), "--eval_interval", "1000000", "--sample_tokens", "0",
+                "--eval_iters", "1", "--eval_loops", "1",  # (the one evaluation, at the end: loop 1 of one batch)
                 "--num_threads", str(threads), "--out_dir", os.path.join(tmp, name), "--cache_dir", os.path.join(tmp, "c")]
         return subprocess.Popen([sys.executable, "train.py", *argv], cwd=here, env={**env, "GOMP_SPINCOUNT": spins},
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -13,7 +13,7 @@ from dataclasses import asdict, fields
 
 import torch
 
-from configurator import RENAMED, RunError, UsageError, check
+from configurator import RunError, UsageError, check
 from data import atomic_write, atomic_write_text, get_tokenizer
 from looplm import ARCHITECTURE, LoopLM, LoopLMConfig
 
@@ -69,10 +69,10 @@ def check_checkpoint(ckpt, path):
         raise bad("tokenizer.vocab is not a list of strings")
     # the settings the weights' shapes (and the trained depth) come from; defaults fill only newer settings
     for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_loops"):
-        if k not in args and not (k == "n_loops" and "n_loop" in args):
+        if k not in args:
             raise bad(f"model_args lacks {k}")
     try:
-        mcfg = model_config(args)
+        mcfg = LoopLMConfig.from_dict(args)
     except UsageError as e:  # a wrong type or value: "--n_embd expects int, got '32'"
         raise bad("model_args." + str(e).removeprefix("--")) from None
     with torch.device("meta"):  # the shapes that model_args make, none allocated
@@ -91,7 +91,7 @@ def check_checkpoint(ckpt, path):
     # the training settings that it has: each of its type and in its range, as train.py checks its own
     from train import TrainConfig  # (here, not at the top: train.py imports this module)
     names = {f.name for f in fields(TrainConfig)}
-    saved = {RENAMED.get(k) or k: v for k, v in ckpt["config"].items()}  # checkpoints of older versions
+    saved = ckpt["config"]
     try:
         check(TrainConfig(**{k: v for k, v in saved.items() if k in names}))
     except UsageError as e:
@@ -119,19 +119,8 @@ def save_interrupted(cfg, run, model, optimizer):
     return path
 
 
-def model_config(args):
-    """A checkpoint's model_args as a LoopLMConfig, checkpoints of older versions included: n_loop was renamed
-    n_loops; before the init setting every model had nanoGPT's init; before the norm setting an injecting
-    model added H_0 at loop 1 too (2·H_0), which loop 1 no longer does (LoopLM.step)."""
-    args = {("n_loops" if k == "n_loop" else k): v for k, v in args.items()}
-    args.setdefault("init", "nanogpt")
-    if "norm" not in args and args.get("inject"):
-        print("note: this inject checkpoint was trained when loop 1 took 2·H_0; it now takes H_0 (LoopLM.step), "
-              "so it runs a slightly different function", file=sys.stderr)
-    return LoopLMConfig.from_dict(args)
-
 def model_from_checkpoint(ckpt, device="cpu"):
-    model = LoopLM(model_config(ckpt["model_args"]))
+    model = LoopLM(LoopLMConfig.from_dict(ckpt["model_args"]))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval()
 
@@ -168,11 +157,8 @@ def build_model(cfg, mcfg, device, ckpt):
 def resume_settings(cfg, model_args, given, ckpt):
     """On --init_from resume: the checkpoint's settings (cfg: train.py's TrainConfig), overridden by those given
     on this command line; the settings that shape the weights cannot change."""
-    saved = {RENAMED.get(k) or k: v for k, v in ckpt["config"].items()}  # checkpoints of older versions
-    if ("loop_start" not in saved and saved.get("loop_sampling") != "poisson_lognormal") or (
-            "state_noise" not in ckpt["model_args"] and saved.get("loop_sampling") == "fixed"):
-        saved["grad_loops"] = 0  # older versions: only Huginn's sampler used it, then every sampler but fixed
-    saved_model = model_config(ckpt["model_args"])
+    saved = ckpt["config"]
+    saved_model = LoopLMConfig.from_dict(ckpt["model_args"])
     names = {f.name for f in fields(cfg)}
     cfg = type(cfg)(**{**{k: v for k, v in saved.items() if k in names}, **{k: getattr(cfg, k) for k in given if k in names},
                          "init_from": "resume", "eval_only": cfg.eval_only, "out_dir": cfg.out_dir})
@@ -248,7 +234,7 @@ def guard_out_dir(out_dir, task, model_args):
             continue
         try:
             old = load_checkpoint(path)
-            saved = asdict(model_config(old["model_args"]))
+            saved = asdict(LoopLMConfig.from_dict(old["model_args"]))
             diff = [f"{k} {saved[k]}" for k in ARCHITECTURE if saved[k] != model_args[k]]
             if old["config"].get("task", "lm") != task:
                 diff.append(f"task {old['config'].get('task', 'lm')}")

@@ -45,10 +45,6 @@ def setting(default, help, choices=None, lo=None, hi=None, above=None, type=None
                                                 type=type or (None if default is None else default.__class__)))
 
 
-# options that were renamed: the old name gives one line naming the new one
-RENAMED = {"n_loop": "n_loops", "backprop_depth": "grad_loops", "stars": "stars_lambda", "attn": None}
-
-
 def check(obj, only=None):
     """Raise UsageError naming the first field of obj (a dataclass made with setting()) whose value
     is not valid. only: check just these names."""
@@ -141,10 +137,6 @@ def parse(argv, classes, help_text):
 def known(name, spec, where="option"):
     if name in spec:
         return name
-    if name in RENAMED:
-        new = RENAMED[name]
-        raise UsageError(f"--{name} was renamed: use --{new}" if new else
-                         f"--{name} was removed (the STARS penalty switches to explicit attention by itself)")
     raise UsageError(f"unknown {'option --' if where == 'option' else where + ': setting '}{name}; "
                      "see --help")
 

@@ -59,8 +59,6 @@ class LoopLMConfig:
     state_noise: float = setting(0.0, "with inject, in training: loop 1 sees H_0 + Gaussian noise of this RMS relative to "
                                  "H_0's (Huginn's random start, arXiv 2502.05171; evaluation and sampling start from "
                                  "zero)", lo=0.0, hi=100.0)
-    state_noise_frac: float = setting(1.0, "the share of each batch's sequences that get state_noise; the rest start from "
-                                      "zero, as at evaluation", lo=0.0, hi=1.0)
     norm: str = setting("rmsnorm", "every norm: rmsnorm (Paper A) | layernorm, with a bias (Paper B's code)",
                         choices=("rmsnorm", "layernorm"))
     bias: bool = setting(False, "biases in the Linear layers (Paper B's code has them)")
@@ -73,16 +71,13 @@ class LoopLMConfig:
         if self.state_noise and not self.inject:
             raise UsageError(f"--state_noise {self.state_noise} needs --inject: without it the input would never "
                              "reach a state that starts from noise")
-        if self.state_noise_frac != 1.0 and not self.state_noise:
-            raise UsageError(f"--state_noise_frac {self.state_noise_frac} needs --state_noise: it is the share of "
-                             "sequences that get that noise")
         if self.n_embd % self.n_head:
             raise UsageError(f"--n_embd {self.n_embd} is not divisible by --n_head {self.n_head}; "
                              "pick n_embd a multiple of n_head")
 
     @classmethod
     def from_dict(cls, d):
-        """Build from a dict (a checkpoint's model_args: checkpoint.model_config), ignoring unknown keys."""
+        """Build from a dict (a checkpoint's model_args), ignoring unknown keys."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -204,7 +199,6 @@ class LoopLM(nn.Module):
             self.ln_loop = Norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embedding and LM head
-        self.noise_scale = 1.0  # state_noise's multiplier: train.py --state_noise_anneal lowers it over the run
         if config.init != "pytorch":
             self.apply(self._init_weights)
 
@@ -260,14 +254,13 @@ class LoopLM(nn.Module):
         norm (normalizing it again at the readout would be a double normalization)."""
         return self.ln_loop(h) if self.config.loop_norm else h
 
-    def loop_states(self, idx, n_loops=None, clamp=False, grad_loops=None, checkpoint=False, grad_first=0):
+    def loop_states(self, idx, n_loops=None, clamp=False, grad_loops=None, checkpoint=False):
         """[H_1, ..., H_K], exactly what the readout sees.
 
         clamp: Paper A's scale clamp (a diagnostic for trained models): after every loop
             k >= 2 each token's state is rescaled to its loop-1 RMS, before it is decoded
             and before it is fed to the next loop.
-        grad_loops: truncated backprop (Huginn): only the last grad_loops loops get gradient,
-            and with grad_first the first grad_first loops too (the middle ones run without it).
+        grad_loops: truncated backprop (Huginn): only the last grad_loops loops get gradient.
         checkpoint: activation checkpointing per loop (memory ~ one loop instead of K)."""
         K = self.config.n_loops if n_loops is None else n_loops
         if K < 1:
@@ -275,12 +268,9 @@ class LoopLM(nn.Module):
         h0 = self.embed(idx)
         h, states = h0, []
         if self.config.state_noise > 0 and self.training:  # Huginn's random start: loop 1 sees noise + H_0
-            noise = torch.randn_like(h0) * rms(h0.detach()) * (self.config.state_noise * self.noise_scale)
-            # on the last round-half-up(frac·B) sequences (the batch is random; --stars_rows penalizes the first ones)
-            noise[:len(noise) - int(self.config.state_noise_frac * len(noise) + 0.5)] = 0
-            h = h0 + noise
+            h = h0 + torch.randn_like(h0) * rms(h0.detach()) * self.config.state_noise
         for k in range(1, K + 1):
-            no_grad = grad_loops is not None and grad_first < k <= K - grad_loops
+            no_grad = grad_loops is not None and k <= K - grad_loops
             with torch.set_grad_enabled(torch.is_grad_enabled() and not no_grad):
                 if checkpoint and torch.is_grad_enabled():
                     h = torch.utils.checkpoint.checkpoint(self.step, h, h0, None, k == 1, use_reentrant=False)

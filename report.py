@@ -83,12 +83,12 @@ def addition_eval(model, cfg, n_loops, device, final=True):
         n_loops scores every depth.
     public (Paper B's random_test_formal.py): the first 100 problems, decoded greedily for exactly as
         many tokens as the true answer (space + digits), and only the digits compared, as an integer.
-    ρ: at the answer positions (the ones that decide the output) and at every position (padding too).
+    ρ: of the loop map at loop k's input (k >= 2), exactly, at every position and at the answer positions.
     answer_positions: at the trained depth K, the share right at each answer position (space, digit 0 = the
         units, ..., then digit d or §), and for digits 1..d-1 split by the carry coming into them: a model
         on the loss plateau has the space and the last position right and every other digit at chance (10%).
     Intermediate evaluations (final=False) measure exact match and digits only: public and ρ, the costly
-    ones (decoding 8 depths; 40 power iterations), are measured at the end of the run."""
+    ones (decoding 8 depths; the loop map's blocks), are measured at the end of the run."""
     x, y, codes = addition_heldout(cfg.digits, cfg.eval_problems)
     K, d = min(model.config.n_loops, n_loops), cfg.digits
     correct = torch.zeros(n_loops, len(x), dtype=torch.bool)
@@ -121,11 +121,13 @@ def addition_eval(model, cfg, n_loops, device, final=True):
         return out
     depths = [k for k in DEPTHS if k <= n_loops]
     out["accuracy_public"] = {str(k): public_addition_accuracy(model, x[:100], y[:100], k, device) for k in depths}
-    # spectral radius of the loop map at a few depths, on 64 problems (power iteration)
-    xb, mask = x[:64].to(device), (y[:64] != -1).to(device)
+    # ρ of the loop map at loop k's input, on 16 problems, every position's block: the mean over problems of ρ
+    # (the largest block) and of the largest at the answer positions, those that decide the output
+    xb, answer = x[:16].to(device), y[:16] != -1
     states, h0 = model.loop_states(xb, n_loops), model.embed(xb)
-    out["spectral_radius"] = {str(k): loop_map_rho(model, h0, k, states) for k in depths}
-    out["spectral_radius_answer"] = {str(k): loop_map_rho(model, h0, k, states, mask) for k in depths}
+    rhos = {k: loop_rho(model, h0, states[k - 2])[0] for k in depths if k > 1}
+    out["spectral_radius"] = {str(k): r.amax(1).mean().item() for k, r in rhos.items()}
+    out["spectral_radius_answer"] = {str(k): r.where(answer, 0.0).amax(1).mean().item() for k, r in rhos.items()}
     return out
 
 
@@ -147,26 +149,54 @@ def public_addition_accuracy(model, x, y, n_loops, device):
     return ok / len(x)
 
 
-def loop_map_rho(model, h0, k, states, mask=None, iters=40):
-    """ρ of ∂H_k/∂H_{k-1}, the loop map at loop k's input (H_0 for loop 1), by power iteration;
-    with mask (batch, T), restricted to those positions (stars.spectral_radius). Loop 1's is often
-    far above 1 and says nothing of stability: a pre-norm branch reads N(H_0), whose derivative scales
-    as 1/rms(H_0), and the embedding is small; a fixed point's stability is ρ at the deep loops."""
-    h0 = h0.detach()
-    with torch.enable_grad():
-        if k == 1:
-            with model.math_attention():
-                return stars.spectral_radius(lambda h: type(model).step(model, h, h0, first=True), h0, iters, mask=mask)
-        return stars.spectral_radius(stars.looplm_step_fn(model, h0), states[k - 2][:len(h0)], iters, mask=mask)
+@torch.no_grad()
+def loop_rho(model, h0, h, off_state=False):
+    """ρ of the loop map H -> step(H) (loop k >= 2) at the states h (B, T, d), exactly, from its diagonal blocks.
+    Causal attention makes J = ∂step(H)/∂H block lower-triangular over positions (position t reads positions
+    <= t), so J's eigenvalues are those of the positions' own d x d blocks J_t = ∂step(H)_t/∂H_t, and ρ(J) is the
+    largest ρ(J_t). J_t is d JVPs at position t alone, one per basis vector (vmap): the keys and values of the
+    earlier positions are held fixed (a KV cache, as sample.py decodes: a change at t does not reach them). Its
+    eigenvalues are then computed exactly (power iteration would converge slowly here: the eigenvalues of a
+    residual map cluster near 1).
+    off_state: also ρ of P J_t P, P = I − ûûᵀ, û = H_t/‖H_t‖. A pre-norm branch reads N(H_t), blind to H_t's
+    scale, so J_t H_t ≈ H_t: an eigenvalue near 1 along the state itself, the scale the loop carries (and a norm
+    readout ignores); projected out, what is left acts on the directions a readout sees.
+    Returns (ρ(J_t), ρ(P J_t P) or None), each (B, T), float64 on the CPU: ρ(J) is the largest over a row."""
+    assert not model.training, "loop_rho needs the model in eval mode: dropout would change the map"
+    B, T, d = h.shape
+    step = lambda x, e, cache: type(model).step(model, x, e, cache)  # eager (not a compiled model.step)
+    basis = torch.eye(d, device=h.device, dtype=h.dtype).view(d, 1, 1, d).expand(d, B, 1, d)
+    rho, off = torch.zeros(B, T, dtype=torch.float64), torch.zeros(B, T, dtype=torch.float64) if off_state else None
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # (on a GPU: TF32's 1e-3 would blur a ρ near 1)
+    try:
+        with model.math_attention():  # (forward-mode AD needs the explicit attention)
+            kv = [{} for _ in model.blocks]
+            step(h, h0, kv)  # every position's keys and values at every layer
+            for t in range(T):
+                x, e = h[:, t:t + 1], h0[:, t:t + 1]
+                # a fresh cache of the positions before t for each call: attention appends t's keys to it
+                past = lambda: [{"k": c["k"][:, :, :t], "v": c["v"][:, :, :t]} if t else {} for c in kv]
+                column = lambda v: torch.func.jvp(lambda z: step(z, e, past()), (x,), (v,))[1]  # J_t v, (B, 1, d)
+                J = torch.func.vmap(column)(basis)[:, :, 0].permute(1, 2, 0).double().cpu()  # J[b][:, j] = J_t e_j
+                rho[:, t] = torch.linalg.eigvals(J).abs().amax(-1)
+                if off_state:
+                    u = h[:, t].double().cpu()
+                    u = u / u.norm(dim=-1, keepdim=True)
+                    P = torch.eye(d, dtype=torch.float64) - u[:, :, None] * u[:, None, :]
+                    off[:, t] = torch.linalg.eigvals(P @ J @ P).abs().amax(-1)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return rho, off
 
 
 @torch.no_grad()
 def evaluate_lm(model, val, cfg, K_eval, device, ctx, final=True):
     """Per loop k = 1..K_eval: CE/PPL, ‖H_k‖ stats (L2, per token), radial gradient fraction,
-    relative step, spectral radius of the loop map, Lemma 2's scale probe (loop k's relative step from
-    s·H_{k-1}, s in looplm.SCALES), clamp ΔCE, tokens/s at depth k (ρ and the probe at k <= 8, at DEPTHS and
-    at K_eval only, tokens/s at DEPTHS, K and K_eval, the clamp at k <= max(8, K); None elsewhere). An
-    intermediate evaluation (final=False: its report is not written) leaves out ρ, the probe and tokens/s.
+    relative step, ρ of the loop map (loop_rho, all directions and off the state), Lemma 2's scale probe (loop k's
+    relative step from s·H_{k-1}, s in looplm.SCALES), clamp ΔCE, tokens/s at depth k (ρ at DEPTHS from 2 on, the
+    probe at 2 <= k <= 8, at DEPTHS and at K_eval, tokens/s at DEPTHS, K and K_eval, the clamp at k <= max(8, K);
+    None elsewhere). An intermediate evaluation (final=False: its report is not written) leaves out ρ, the probe and tokens/s.
     Row k's "ce" is the early-exit curve: loop k's readout in the run at the trained depth K
     (readout(h, k, K), Paper A's protocol), and beyond K the model run at depth k. For final_norm,
     "ce_run_at_k" adds the model run at depth k (normalized at loop k). Same batches for every k."""
@@ -199,17 +229,19 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx, final=True):
     states = first if isinstance(ctx, nullcontext) else model.loop_states(x, K_eval)
     h0 = model.embed(x[:4])
     rows = []
-    timed = lambda k: final and (k <= 8 or k in DEPTHS or k == K_eval)  # ρ (a costly one) at these depths only
+    probed = lambda k: final and k > 1 and (k <= 8 or k in DEPTHS or k == K_eval)  # the scale probe at these
     for k in range(1, K_eval + 1):
         s = norm_stats(torch.cat(norms[k - 1]))
-        rho = loop_map_rho(model, h0, k, states, iters=10) if timed(k) else None  # ρ(∂H_k/∂H_{k-1}), 4 sequences
+        # ρ(∂H_k/∂H_{k-1}) at DEPTHS, exactly, on the first sequence (all directions, and off the state's)
+        rho = [r.max().item() for r in loop_rho(model, h0[:1], states[k - 2][:1], off_state=True)] \
+            if final and k > 1 and k in DEPTHS else (None, None)
         rows.append({"k": k, "ce": ce[k - 1], "ppl": math.exp(ce[k - 1]),
                      **({"ce_run_at_k": ce_run[k - 1] if k < K_train else ce[k - 1]} if final_norm else {}),
                      **{f"norm_{n}": s[n] for n in ("mean", "median", "p99", "max", "std", "min")},
                      "radial_fraction": radial_fraction(model, states[k - 1], y, k, curve_depth(model, k)),
                      "relative_step": res[k - 1] if k > 1 else None,
-                     "spectral_radius": rho,
-                     "scale_probe": scale_probe(model, states[k - 2][:4], h0) if k > 1 and timed(k) else None,
+                     "spectral_radius": rho[0], "spectral_radius_off_state": rho[1],
+                     "scale_probe": scale_probe(model, states[k - 2][:4], h0) if probed(k) else None,
                      "clamp_delta_ce": ce_clamp[k - 1] - ce[k - 1] if k <= K_clamp else None,
                      "tokens_per_s": depth_throughput(model, x, k, device, ctx)
                      if final and (k in DEPTHS or k in (K_train, K_eval)) else None})
@@ -288,20 +320,11 @@ def plot_report(out_dir, report, log_rows):
 def read_report(d):
     p = os.path.join(d, "report.json")
     try:
-        return renamed(json.load(open(p)))
+        return json.load(open(p))
     except FileNotFoundError:
         raise RunError(f"{p} not found; train or --eval_only that run first") from None
     except (OSError, ValueError) as e:
         raise RunError(f"{p} is unreadable ({type(e).__name__}); rerun that run's evaluation with --eval_only") from None
-
-
-def renamed(rep):
-    """A report written before afd1978 names the relative step fixed_point_residual (addition: residual)."""
-    for row in rep.get("per_loop", []):
-        row.setdefault("relative_step", row.get("fixed_point_residual"))
-    if "addition" in rep:
-        rep["addition"].setdefault("relative_step", rep["addition"].get("residual", {}))
-    return rep
 
 
 def run_names(dirs):
@@ -365,7 +388,7 @@ def compare_runs(dirs, out):
             cell = lambda k: f"{100 * a['accuracy'][str(k)]:.1f}" + (f" \\| {100 * pub[str(k)]:.0f}" if str(k) in pub else "")
             pair = lambda d: " / ".join(na(d.get(k), ".3f" if d is not a["relative_step"] else ".1e") for k in ("32", "64"))
             print(f"| {name} | " + " | ".join(cell(k) for k in ks) + f" | {pair(a.get('spectral_radius_answer', {}))} | "
-                  f"{pair(a.get('spectral_radius', a.get('rho', {})))} | {pair(a['relative_step'])} |")
+                  f"{pair(a.get('spectral_radius', {}))} | {pair(a['relative_step'])} |")
         axes[0][1].set(xlabel="loops at inference", ylabel="exact match (%)", xscale="log")
     else:
         print("| run | ‖H_K‖ mean | p99 | max | radial fraction | PPL K=1 | K=2 | K=3 | K=4 | ΔPPL 1→4 | clamp ΔCE | "
@@ -427,12 +450,13 @@ def training_loops(config):
     """A run's compute in loops: mean loops a training step runs / runs with gradient, over its steps' depths
     (stars.training_depth, replayed from the run's settings; the STARS penalty's passes not counted), as
     "6.2 / 3.9"; "n/a" without them or for a run whose length --epochs set."""
+    from train import stream_seed  # (train.py imports this module)
     try:
         cfg = SimpleNamespace(**config)
         if cfg.epochs:
             return "n/a"
-        depths = [stars.training_depth(cfg, it, cfg.n_loops, stars.step_generator(cfg.seed, it))
-                  for it in range(cfg.max_iters)]
+        gen = lambda it: torch.Generator().manual_seed(stream_seed(cfg.seed, it, "depth"))
+        depths = [stars.training_depth(cfg, it, cfg.n_loops, gen(it)) for it in range(cfg.max_iters)]
     except (AttributeError, TypeError, ValueError):
         return "n/a"
     return f"{np.mean([t for t, _ in depths]):.1f} / {np.mean([b or t for t, b in depths]):.1f}"

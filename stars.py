@@ -13,7 +13,7 @@ makes ρ(J) < 1 part of the training loss:
 Here ‖Jv‖ is one step of power iteration from a random direction, which the paper writes as
 ρ(J) ≈ ‖Jv‖. What it measures is E‖Jv‖² = ‖J‖_F²/n, the mean squared singular value of J
 (n = T·C per sample): pushing it down pulls the spectrum down on average, but it neither bounds
-nor equals ρ, which can sit near 1 while ‖Jv‖ is small (spectral_radius measures ρ itself).
+nor equals ρ, which can sit near 1 while ‖Jv‖ is small (report.loop_rho measures ρ itself).
 It costs a pass through ONE loop step, not the whole loop (the default VJP: forward, backward and, for
 the weights' gradient, a double backward through that step). The number of loops t is sampled per training
 step (sample_loops), so the penalty meets the state at many depths.
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 MODES = ("jvp", "vjp")
-KINDS = ("fixed", "lognormal", "poisson_lognormal")
+KINDS = ("fixed", "lognormal")
 
 
 def _unit_normal(h, generator, mask=None):
@@ -91,75 +91,35 @@ def jsrr_penalty(step_fn, h, mode="vjp", generator=None, iters=1, mask=None):
     return sq.mean(), sq.detach().sqrt()
 
 
-@torch.no_grad()
-def spectral_radius(step_fn, h, iters=20, generator=None, mask=None):
-    """Power-iteration estimate of ρ(J) at h, for evaluation only (no parameter graph).
-
-    Iterate v <- Jv/‖Jv‖ per sample (J is block diagonal over the batch when samples don't
-    interact). Return the geometric mean of the growth factors ‖Jv‖ over the second half of
-    the iterations. The growth factors telescope to (‖J^m u‖/‖u‖)^(1/m), which tends to
-    |λ_max| also when the dominant eigenvalues are a complex pair. For a complex pair the
-    last factor alone would oscillate. For a symmetric J this is the usual power iteration,
-    which converges at the rate |λ₂/λ₁| per step. mask: (batch, T) booleans: ρ of J restricted
-    to those positions, which (J being block lower-triangular over positions) is the largest ρ
-    of their diagonal blocks, e.g. the answer positions that decide the output. Result: the
-    per-sample estimate averaged over the batch, as a float. Call it with the model in eval mode.
-    """
-    h = h.detach().contiguous()
-    m = None if mask is None else mask.to(h.dtype).unsqueeze(-1)
-    v = _unit_normal(h, generator, m)
-    logs = []
-    for i in range(iters):
-        _, jv = torch.func.jvp(step_fn, (h,), (v,))
-        if m is not None:
-            jv = jv * m
-        norm = jv.flatten(1).norm(dim=1)
-        if i >= iters // 2:
-            logs.append(norm.clamp_min(1e-30).log())
-        v = jv / norm.clamp_min(1e-30).view(-1, *[1] * (h.dim() - 1))
-    return torch.stack(logs).mean(0).exp().mean().item()
-
-
-# ---- how many loops this step: Paper B's lognormal, or Huginn's Poisson-lognormal ----------
-def step_generator(seed, step):
-    """A fresh generator per training step, so a resumed run draws the same depths."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + step)
-
-
-def sample_loops(generator, kind="lognormal", mu=2.0, sigma=0.7, loop_max=100, loop_mean=32, grad_loops=0):
+# ---- how many loops this step: Paper B's lognormal -------------------------------------------
+def sample_loops(generator, kind="lognormal", mu=2.0, sigma=0.7, loop_max=100, grad_loops=0):
     """Draw the depth of one training step: (n_loops, grad_loops), where grad_loops is None (the
     gradient flows through every loop, as in Paper B's code) or b (truncated backprop through the
     last b loops only, LoopLM.loop_states(grad_loops=b); Huginn uses 8). Deterministic given the generator.
-    fixed:             loop_max, always the same depth: the baseline, or with grad_loops a DEQ-style target
-                       (a deep state reached mostly without gradient, the gradient through its last loops;
-                       deep equilibrium models, arXiv 1909.01377).
-    lognormal:         t = clip(round(LogNormal(mu, sigma)), 1, loop_max). Paper B uses μ=2, σ=0.7,
-                       loop_max=100 for addition and μ=1.7, σ=0.4, loop_max=16 for the Ouro fine-tune.
-    poisson_lognormal: Huginn's sampler. τ ~ N(log r̄ − σ²/2, σ), so E[e^τ] = r̄ = loop_mean,
-                       t = min(Poisson(e^τ) + 1, loop_max).
+    fixed:     loop_max, always the same depth: the baseline, or with grad_loops a DEQ-style target (a deep
+               state reached mostly without gradient, the gradient through its last loops; deep equilibrium
+               models, arXiv 1909.01377).
+    lognormal: t = clip(round(LogNormal(mu, sigma)), 1, loop_max). Paper B uses μ=2, σ=0.7, loop_max=100
+               for addition and μ=1.7, σ=0.4, loop_max=16 for the Ouro fine-tune.
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} is invalid; choose one of {', '.join(KINDS)}")
     if kind == "fixed":
         return loop_max, (min(loop_max, grad_loops) if grad_loops else None)
     z = torch.randn((), generator=generator, dtype=torch.float64).item()
-    if kind == "lognormal":
-        t = min(max(round(math.exp(mu + sigma * z)), 1), loop_max)
-    else:
-        tau = math.log(loop_mean) - sigma**2 / 2 + sigma * z
-        t = min(int(torch.poisson(torch.tensor(math.exp(tau), dtype=torch.float64), generator=generator)) + 1, loop_max)
+    t = min(max(round(math.exp(mu + sigma * z)), 1), loop_max)
     return t, (min(t, grad_loops) if grad_loops else None)
 
 
 def training_depth(cfg, step, n_loops, generator):
     """(depth, grad_loops) of training step `step` under train.py's settings (cfg: a TrainConfig): n_loops with
     the gradient through every loop until cfg.loop_start (the curriculum), then cfg.loop_sampling. The generator
-    is the step's (step_generator)."""
+    is the step's depth stream (train.step_streams), so a resumed run draws the same depths."""
     if step < cfg.loop_start:
         return n_loops, None
     fixed = cfg.loop_sampling == "fixed"
     return sample_loops(generator, cfg.loop_sampling, cfg.loop_mu, cfg.loop_sigma, n_loops if fixed else cfg.loop_max,
-                        cfg.loop_mean, cfg.grad_loops)
+                        cfg.grad_loops)
 
 
 # ---- glue for LoopLM (looplm.py) -----------------------------------------------------------
@@ -185,24 +145,21 @@ class Penalty:
         unbiased estimate of the same mean).
     iters: power iterations inside the penalty (jsrr_penalty; the public code's spectral_iters, 1).
     supervised: at the supervised positions only (targets != -1).
-    deep > n_loops: at the state of loop `deep`, reached from the last state without gradient: the map is made
-        contracting where a deeper run at test time will be.
-    generator: where the random direction v comes from (train.py: the step's, so a resumed run replays it)."""
+    generator: where the random direction v comes from (train.py: the step's own stream, so a resumed run replays it)."""
     lam: float
     mode: str = "vjp"
     rows: int = 0
     iters: int = 1
     supervised: bool = False
-    deep: int = 0
     generator: torch.Generator = None
 
 
-def training_loss(model, x, y, n_loops, grad_loops=None, penalty=None, checkpoint=False, grad_first=0):
+def training_loss(model, x, y, n_loops, grad_loops=None, penalty=None, checkpoint=False):
     """The loss of one training step at depth n_loops, as train.py and bench.py take it: Paper A's
     objective over the loop states (LoopLM.objective), and with a penalty (a Penalty, λ > 0) Paper B's
     (1 − λ)·task + λ·‖Jv‖² at the last state. Returns (loss, the loop states, ‖Jv‖ per penalized
-    sequence or None). grad_loops and grad_first: the loops with gradient (LoopLM.loop_states)."""
-    states = model.loop_states(x, n_loops, grad_loops=grad_loops, checkpoint=checkpoint, grad_first=grad_first)
+    sequence or None). grad_loops: the last loops with gradient (LoopLM.loop_states)."""
+    states = model.loop_states(x, n_loops, grad_loops=grad_loops, checkpoint=checkpoint)
     _, loss = model.objective(states, y, checkpoint)
     if penalty is None or penalty.lam <= 0:
         return loss, states, None
@@ -210,9 +167,6 @@ def training_loss(model, x, y, n_loops, grad_loops=None, penalty=None, checkpoin
     # with inject, the map's h0 is the embedding again (with dropout on: a fresh mask, not the loop's)
     step = looplm_step_fn(model, model.embed(x[:n]) if model.config.inject else None)
     h = states[-1][:n].detach()
-    with torch.no_grad():
-        for _ in range(n_loops, penalty.deep):
-            h = step(h)
     mask = (y[:n] != -1) if penalty.supervised else None
     pen, jv_norm = jsrr_penalty(step, h, mode=penalty.mode, generator=penalty.generator, iters=penalty.iters, mask=mask)
     return stars_objective(loss, pen, penalty.lam), states, jv_norm

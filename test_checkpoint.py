@@ -52,13 +52,3 @@ def test_every_checkpoint_field_is_checked_on_load_with_one_line(case, tmp_path,
         assert main(argv + ["--out_dir", str(tmp_path), "--device", "cpu"]) == 1
         assert f"error: checkpoint {path}: {msg}" in one_error_line(capsys)
     assert file_bytes(path) == before
-
-
-def test_model_config_reads_older_checkpoints_model_args(capsys):
-    old = {"vocab_size": 256, "block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 16, "n_loop": 3, "inject": True,
-           "a_setting_of_a_newer_version": 1}
-    cfg = checkpoint.model_config(old)
-    assert cfg.n_loops == 3 and cfg.init == "nanogpt"  # renamed; the init all models had before the setting
-    assert "loop 1 took 2·H_0" in capsys.readouterr().err  # an older injecting model: told it now runs another function
-    new = checkpoint.model_config({**old, "init": "normal", "norm": "rmsnorm"})
-    assert new.init == "normal" and capsys.readouterr().err == ""

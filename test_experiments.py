@@ -71,74 +71,25 @@ def test_depth_page_shows_the_runs_and_names_the_rows_not_run(tmp_path):
     import argparse
     import depth
 
-    def run(ce4, seed):
-        rows = [{"ce": ce4 + 0.01 * (k > 4), "norm_mean": 10.0, "relative_step": 1e-3, "spectral_radius": 0.9}
+    def run(ce4, rho):
+        rows = [{"ce": ce4 + 0.01 * (k > 4), "norm_mean": 10.0, "relative_step": 1e-3,
+                 "spectral_radius": rho.get(k, (None, None))[0], "spectral_radius_off_state": rho.get(k, (None, None))[1]}
                 for k in range(1, 65)]
         meta = {"commit": "abc1234", "machine": "test", "wall_s": 60.0, "date": "2026-12-03T00:00:00"}
         return meta, {"config": {"n_loops": 4, "max_iters": 600}, "per_loop": rows}
-    runs = {"baseline": {1: run(2.0, 1), 2: run(2.2, 2)}}
+    runs = {"baseline": {1: run(2.0, {8: (1.3, 0.9), 32: (1.05, 0.95), 64: (0.88, 0.97)}),
+                         2: run(2.2, {8: (1.1, 0.8), 32: (1.01, 0.9), 64: (1.02, 0.99)})}}
     args = argparse.Namespace(study="depth", out=str(tmp_path), runs=str(tmp_path), quick=False, jobs=2, threads=1,
                               device="cpu")
-    rho = {"baseline/s1": {"rho": {"8": [1.2, 1.3], "32": [1.0, 1.05], "64": [0.85, 0.88]},
-                           "off": {"8": [0.9], "32": [0.95], "64": [0.97]}, "commit": "def5678"},
-           "baseline/s2": {"rho": {"8": [1.1], "32": [1.01], "64": [1.02]},
-                           "off": {"8": [0.8], "32": [0.9], "64": [0.99]}, "commit": "def5678"}}
-    text, pngs = depth.page(runs, args, rho)
+    text, pngs = depth.page(runs, args)
     assert "| 2.100 (2.000–2.200) |" in text and "| +0.010 (+0.010–+0.010) |" in text
-    # the largest position's ρ, then off the state's direction, then the run's own reading (0.9)
-    r = "0.900 (0.900–0.900)"
-    assert (f"| baseline | 1.200 (1.100–1.300) | 1.030 (1.010–1.050) | 0.950 (0.880–1.020) | 0.850 (0.800–0.900) "
-            f"| 0.925 (0.900–0.950) | 0.980 (0.970–0.990) | {r} | {r} | {r} |") in text
+    # ρ from the reports: all directions, then off the state's direction
+    assert ("| baseline | 1.200 (1.100–1.300) | 1.030 (1.010–1.050) | 0.950 (0.880–1.020) | 0.850 (0.800–0.900) "
+            "| 0.925 (0.900–0.950) | 0.980 (0.970–0.990) |") in text
     assert ("At 64 loops ρ > 1 in 1 of 2 runs, and off the state's own direction (not the carried scale) in 0 of 2. Off "
-            "the state the bound is below 1 on every seed for 1 of 1 recipes.") in text and "at commit def5678" in text
+            "the state ρ is below 1 on every seed for 1 of 1 recipes.") in text
     not_run = next(line for line in text.splitlines() if line.startswith("Rows of the script not run"))
     assert "`mean4`" in not_run and "`baseline`" not in not_run and (tmp_path / pngs[0]).stat().st_size > 0
-
-
-@pytest.mark.parametrize("variant", [{}, {"inject": True, "loop_norm": True}, {"loop_damping": 0.5}])
-def test_depth_block_rho_is_the_spectral_radius_of_the_whole_loop_map(variant):
-    import torch
-    import depth
-    import stars
-    from conftest import batch, tiny
-    model, T, d = tiny(**variant), 6, 32
-    x = batch(B=1, T=T)[0]
-    with torch.no_grad():
-        h0 = model.embed(x)
-        h = model.loop_states(x, 3)[-1]
-    J = torch.autograd.functional.jacobian(stars.looplm_step_fn(model, h0), h).reshape(T, d, T, d).double()  # all of it
-    assert all(J[s, :, t].abs().max() == 0 for t in range(T) for s in range(t))  # causal: block lower-triangular
-    rho, off = depth.block_rho(model, h0, h, range(T))  # every position's own block
-    whole = torch.linalg.eigvals(J.reshape(T * d, T * d)).abs().max().item()
-    assert max(rho) == pytest.approx(whole, rel=1e-5) and whole > 0.5
-    for t in range(T):  # each position: its diagonal block of the whole map, and that block off the state's direction
-        u = h[0, t].double() / h[0, t].double().norm()
-        P = torch.eye(d, dtype=torch.float64) - torch.outer(u, u)
-        assert rho[t] == pytest.approx(torch.linalg.eigvals(J[t, :, t]).abs().max().item(), rel=1e-5)
-        assert off[t] == pytest.approx(torch.linalg.eigvals(P @ J[t, :, t] @ P).abs().max().item(), rel=1e-5)
-    if not variant:  # pre-norm: the state's own direction is (nearly) an eigenvector with eigenvalue near 1
-        assert all(torch.allclose(J[t, :, t] @ h[0, t].double(), h[0, t].double(), rtol=0.05, atol=0.05 * h[0, t].norm().item())
-                   for t in range(T))
-
-
-def test_depth_block_rhos_computes_each_run_once_and_again_when_it_is_run_again(tmp_path, monkeypatch):
-    import argparse
-    import depth
-    calls = []
-    monkeypatch.setattr(depth, "run_block_rho", lambda d: calls.append(d) or {"rho": {"8": [float(len(calls))]},
-                                                                              "off": {"8": [0.5]}})
-    monkeypatch.setattr(depth.study, "commit", lambda: "def5678")
-    meta = lambda date: ({"commit": "abc1234", "date": date}, {})
-    args = argparse.Namespace(runs=str(tmp_path), page_only=False, verify=False)
-    runs = {"mean4": {1: meta("d1"), 2: meta("d1")}}
-    one = lambda i: {"rho": {"8": [float(i)]}, "off": {"8": [0.5]}, "commit": "def5678"}
-    assert depth.block_rhos(runs, args) == {"mean4/s1": one(1), "mean4/s2": one(2)}
-    assert depth.block_rhos(runs, args) == {"mean4/s1": one(1), "mean4/s2": one(2)} and len(calls) == 2
-    runs["mean4"][2] = meta("d2")  # seed 2 trained again: its ρ is recomputed; --page_only shows none for it
-    assert depth.block_rhos(runs, argparse.Namespace(**{**vars(args), "page_only": True})) == {"mean4/s1": one(1)}
-    assert depth.block_rhos(runs, args)["mean4/s2"] == one(3) and calls[-1] == str(tmp_path / "mean4" / "s2")
-    monkeypatch.setattr(depth, "RHO_METHOD", "another")  # a new method: every run again
-    assert depth.block_rhos(runs, args) == {"mean4/s1": one(4), "mean4/s2": one(5)}
 
 
 def run_quick(study_name, tmp_path):
@@ -164,23 +115,6 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
     again = subprocess.run(cmd, cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "done: baseline seed 1 (" in again.stdout
     assert metas["baseline"] == json.load(open(tmp_path / "runs" / "baseline" / "s1" / "run.json"))  # not run again
-    # --verify trains the first row again from scratch, beside the runs: every number the same, and the page says so
-    check = subprocess.run(cmd + ["--verify"], cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
-    assert check.returncode == 0, check.stderr[-2000:]
-    verdict = json.load(open(tmp_path / "runs" / "verify.json"))["baseline"]
-    assert verdict["differ"] == 0 and verdict["numbers"] > 20 and (tmp_path / "runs-verify" / "baseline" / "s1" / "ckpt.pt").exists()
-    verdict_line = f"`baseline` seed 1, run at {verdict['runs_commit']}, checked at {verdict['commit']}: all {verdict['numbers']:,} the same"
-    assert verdict_line in (tmp_path / "paper_b-quick.md").read_text()
-    assert metas["baseline"] == json.load(open(tmp_path / "runs" / "baseline" / "s1" / "run.json"))  # the run kept
-    kept = tmp_path / "runs" / "baseline" / "s1" / "report.json"
-    rep = json.load(open(kept))
-    rep["addition"]["accuracy"]["4"] += 0.5  # the kept run's number moved: the check must see it
-    del rep["addition"]["accuracy_public"]  # and a diagnostic it lacks (added since it ran) is no difference
-    kept.write_text(json.dumps(rep))
-    assert subprocess.run(cmd + ["--verify"], cwd=HERE, env=TRAIN_ENV, capture_output=True, timeout=600).returncode == 0
-    verdict = json.load(open(tmp_path / "runs" / "verify.json"))["baseline"]
-    assert verdict["differ"] == 1 and verdict["first_differences"][0][0] == "[0].addition.accuracy.4"
-    assert verdict["added"] == ["[0].addition.accuracy_public"]
     # a preset edited since a run finished (here: its report says another learning rate): run again, not reused
     rep_path = tmp_path / "runs" / "baseline" / "s1" / "report.json"
     rep = json.load(open(rep_path))
@@ -192,48 +126,23 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
     assert json.load(open(rep_path))["config"]["learning_rate"] == 0.001
 
 
-def test_since_reads_the_commits_a_page_names_and_says_what_changed_after_them(tmp_path):
+def test_code_since_tells_code_from_comments_and_docstrings(tmp_path, monkeypatch):
     head = study.commit().split("+")[0]
-    dirty = head + "+changes"  # a run made from a working tree with changes: the page says so, --since reads it
-    meta = lambda c: {"commit": c, "date": "2026-12-03T10:00:00", "machine": "here", "wall_s": 60}
-    check = lambda c, runs_commit: {"seed": 1, "commit": c, "runs_commit": runs_commit, "runs_date": "2026-12-03T10:00:00",
-                                    "numbers": 5, "differ": 0, "first_differences": [], "added": []}
-    args = type("Args", (), {"study": "t", "runs": str(tmp_path), "threads": 1, "jobs": 1, "device": "cpu"})
-    runs = {"a": {1: (meta(head), {})}, "b": {1: (meta(dirty), {})}}
-    (tmp_path / "verify.json").write_text(json.dumps({"a": check("0000000", head), "b": check(dirty, dirty)}))
-    (tmp_path / "t.md").write_text("# t\n\n" + study.provenance(runs, args) + "\n| a | table |\n")
-    said = study.page_since(str(tmp_path / "t.md"))
-    assert f"against the runs (at {', '.join(sorted([head, dirty]))}): {study.since([head, dirty])}." in said
-    assert "(uncommitted changes)" in said  # the dirty commit was read, not dropped
-    assert f"against the rerun checks (at 0000000, {dirty}): not compared (git could not read commit" in said
-    os.remove(tmp_path / "verify.json")  # a page without checks says so
-    (tmp_path / "t.md").write_text("# t\n\n" + study.provenance({"a": runs["a"]}, args))
-    assert study.page_since(str(tmp_path / "t.md")).endswith("\nno rerun checks.")
-    for page in ("quickstart", "paper_a", "paper_b", "depth"):  # the committed pages: each names its runs and checks
-        assert "against the rerun checks (at " in study.page_since(os.path.join(HERE, "experiments", page + ".md"))
-    (tmp_path / "plain.md").write_text("# no header\n")
-    with pytest.raises(SystemExit, match="no study page's header"):
-        study.page_since(str(tmp_path / "plain.md"))
-    with pytest.raises(SystemExit, match="no page at"):
-        study.page_since(str(tmp_path / "missing.md"))
-
-
-def test_differences_count_every_number_and_name_each_that_differs():
-    a = {"config": {"lr": 1}, "per_loop": [{"ce": 2.0, "ppl": 7.4}], "rho": float("nan"), "note": "x"}
-    b = {"config": {"lr": 2}, "per_loop": [{"ce": 2.0, "ppl": 7.5}], "rho": float("nan"), "note": "x"}
-    assert study.differences([a, [{"iter": 10, "tokens_per_s": 1.0}]], [b, [{"iter": 10, "tokens_per_s": 9.0}]]) == (
-        4, [("[0].per_loop[0].ppl", 7.4, 7.5)])  # settings and speed left out; NaN is NaN; a string is no number
-    assert study.differences({"k": [1, 2]}, {"k": [1]}) == (0, [("k", "list of 2", "list of 1")])
-
-
-def test_bare_tree_tells_wording_from_code():
-    then = 'def f(x):\n    """Old."""\n    k: int = setting(4, "old help", lo=1)\n    if x:\n        raise E(f"bad {x}")\n    return x\n'
-    docs = then.replace("Old.", "New.")
-    words = then.replace("old help", "new help").replace("bad {x}", "no good: {x}")
-    code = then.replace("setting(4", "setting(5")
-    assert study.bare_tree(then) == study.bare_tree(docs) != study.bare_tree(words)
-    assert study.bare_tree(then, True) == study.bare_tree(words, True) != study.bare_tree(code, True)
-    assert study.bare_tree("def (") is None
+    assert "(uncommitted changes)" in study.code_since([head + "+changes"])  # a run made from a changed tree
+    assert study.code_since(["0000000"]) == "not compared (git cannot read commit 0000000)"
+    monkeypatch.setattr(study, "ROOT", str(tmp_path))  # a repository of one training file, changed three ways
+    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+    git("init", "-q")
+    src = 'def f(x):\n    """Old."""\n    return x  # old\n'
+    (tmp_path / "looplm.py").write_text(src)
+    git("add", "looplm.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    c = git("rev-parse", "--short", "HEAD")
+    assert study.code_since([c]) == "unchanged"
+    (tmp_path / "looplm.py").write_text(src.replace("Old.", "New.").replace("# old", "# new"))
+    assert study.code_since([c]) == "unchanged (looplm.py: comments and docstrings only)"
+    (tmp_path / "looplm.py").write_text(src.replace("return x", "return -x"))
+    assert study.code_since([c]) == "changed in looplm.py"
 
 
 def test_a_run_whose_command_now_resolves_to_other_settings_is_told_apart():
@@ -247,7 +156,7 @@ def test_a_run_whose_command_now_resolves_to_other_settings_is_told_apart():
     assert study.same_command({"argv": argv + ["--data_dir", "/x"]}, argv) and study.same_command({"argv": argv}, argv + ["--data_dir=/y"])
     for how in ({"init_from": "resume"}, {"eval_only": True}):  # a resumed or re-evaluated run is the same run
         assert study.settings_changed(argv, {"config": {**report["config"], **how}}) == {}
-    del report["config"]["stars_deep"]  # a setting added since the run: the same run while it is at its default
+    del report["config"]["stars_rows"]  # a setting added since the run: the same run while it is at its default
     assert study.settings_changed(argv, report) == {}
     assert study.settings_changed(argv, {}) == {"config": (None, "the command's")}
     assert not study.same_command({"argv": argv + ["--dropout", "0.1"]}, argv)
@@ -271,17 +180,3 @@ def test_quickstart_rows_are_the_readme_commands():
     commands = [line.split("#")[0].split(" --out_dir")[0].strip() for line in readme.splitlines()
                 if line.startswith("python train.py config/")]
     assert commands == [f"python train.py {options}" for options in quickstart.ROWS.values()]
-
-
-def test_addition_rho_page_sets_the_blocks_beside_the_runs_reading_and_counts_the_seeds(tmp_path, monkeypatch):
-    import argparse
-    import addition_rho
-    monkeypatch.setattr(study, "provenance", lambda runs, args: "(header)\n")
-    rep = lambda r: {"addition": {"spectral_radius_answer": {"64": r}}}
-    runs = {"stars": {1: ({}, rep(0.998)), 2: ({}, rep(0.97))}}
-    blocks = lambda a, b: {"rho": {str(k): {"all": a, "answer": b, "off": b} for k in addition_rho.AT}, "commit": "abc"}
-    rho = {"stars/s1": blocks([1.02, 1.04], [1.0, 1.02]), "stars/s2": blocks([0.95, 0.99], [0.94, 0.96])}
-    text, _ = addition_rho.page(runs, argparse.Namespace(), rho)
-    assert "| stars | 1 | 1.030 (1.020–1.040) | 1.010 (1.000–1.020) | 1.010 (1.000–1.020) | 0.998 |" in text
-    assert ("- `stars`: ρ < 1 on every problem, every position, on 1 of 2 seeds; at the answer positions on 1 of 2; "
-            "the run's reading < 1 on 2 of 2.") in text

@@ -17,7 +17,8 @@ import train
 from conftest import TRAIN_TINY, copy_run, file_bytes, run_train
 
 TRAIN_PER_LOOP_FIELDS = {"k", "ce", "ppl", "norm_mean", "norm_median", "norm_p99", "norm_max", "norm_std", "norm_min",
-                         "radial_fraction", "relative_step", "spectral_radius", "scale_probe", "clamp_delta_ce", "tokens_per_s"}
+                         "radial_fraction", "relative_step", "spectral_radius", "spectral_radius_off_state", "scale_probe",
+                         "clamp_delta_ce", "tokens_per_s"}
 
 
 @pytest.mark.slow
@@ -31,7 +32,7 @@ def test_report_has_every_field_and_eval_only_rewrites_it(trained_run, train_dat
     for r in rep["per_loop"]:
         assert set(r) == TRAIN_PER_LOOP_FIELDS
         for name, v in r.items():
-            if name in ("relative_step", "scale_probe") and r["k"] == 1:
+            if name in ("relative_step", "scale_probe", "spectral_radius", "spectral_radius_off_state") and r["k"] == 1:
                 assert v is None
             elif name == "scale_probe":
                 assert len(v) == len(rep["scale_probe_scales"]) and all(math.isfinite(x) and x > 0 for x in v)
@@ -62,6 +63,8 @@ def test_addition_teacher_forced_exact_match_equals_greedy_decoding(tmp_path):
     cfg = train.TrainConfig(**ckpt["config"])
     result = report.addition_eval(model, cfg, 3, "cpu")
     acc, public = result["accuracy"], result["accuracy_public"]
+    rho, rho_answer = result["spectral_radius"], result["spectral_radius_answer"]  # loop 2's map (loop 1's is another)
+    assert rho.keys() == rho_answer.keys() == {"2"} and 0 < rho_answer["2"] <= rho["2"]
     x, _, codes = data.addition_heldout(2, 50)
     tok = data.get_tokenizer({"kind": "addition"})
     verdicts = []
@@ -130,15 +133,15 @@ def test_early_exit_curve_reads_final_norm_raw_before_the_trained_depth():
 
 def test_depth_table_measures_the_rise_at_four_times_the_trained_depth(capsys):
     # the depth study's --compare: CE at 1, 2, 4, 8, 16 and the worst CE − CE_K at 4K loops and deeper;
-    # the costly diagnostics: ρ only at k <= 8, at 1, 2, 4, 8, 16, ... and at the last depth; tokens/s at 1, 2, 4, 8,
-    # 16, ..., at the trained depth and the last
+    # the costly diagnostics: ρ at 2, 4, 8, 16, ...; the scale probe at 2 <= k <= 8, at 16, ... and at the last
+    # depth; tokens/s at 1, 2, 4, 8, 16, ..., at the trained depth and the last
     from conftest import tiny
     m = tiny(n_loops=4)
     val = np.random.default_rng(0).integers(0, 61, 4000).astype(np.uint16)
     rows, _ = report.evaluate_lm(m, val, train.TrainConfig(batch_size=2, eval_iters=1, seed=0), 17, "cpu",
                                  contextlib.nullcontext())
-    timed = [r["k"] for r in rows if r["spectral_radius"] is not None]
-    assert timed == [1, 2, 3, 4, 5, 6, 7, 8, 16, 17]
+    assert [r["k"] for r in rows if r["spectral_radius"] is not None] == [2, 4, 8, 16]
+    assert [r["k"] for r in rows if r["spectral_radius_off_state"] is not None] == [2, 4, 8, 16]
     assert [r["k"] for r in rows if r["tokens_per_s"]] == [1, 2, 4, 8, 16, 17]
     assert [r["k"] for r in rows if r["scale_probe"]] == [2, 3, 4, 5, 6, 7, 8, 16, 17]
     mid, _ = report.evaluate_lm(m, val, train.TrainConfig(batch_size=2, eval_iters=1, seed=0), 17, "cpu",
@@ -159,7 +162,8 @@ def test_depth_table_measures_the_rise_at_four_times_the_trained_depth(capsys):
     cfg = lambda **kw: {**vars(train.TrainConfig(max_iters=10, seed=3, **kw)), "n_loops": 4}
     assert report.training_loops(cfg()) == "4.0 / 4.0"
     assert report.training_loops({**cfg(grad_loops=4), "n_loops": 16}) == "16.0 / 4.0"
-    ts = [stars.sample_loops(stars.step_generator(3, it), mu=2.0, sigma=0.7, loop_max=32)[0] for it in range(3, 10)]
+    gen = lambda it: torch.Generator().manual_seed(train.stream_seed(3, it, "depth"))
+    ts = [stars.sample_loops(gen(it), mu=2.0, sigma=0.7, loop_max=32)[0] for it in range(3, 10)]
     want = f"{(12 + sum(ts)) / 10:.1f} / {(12 + sum(min(t, 2) for t in ts)) / 10:.1f}"
     assert report.training_loops(cfg(loop_sampling="lognormal", loop_max=32, grad_loops=2, loop_start=3)) == want
     assert report.training_loops(cfg(epochs=1.0)) == "n/a"
@@ -188,9 +192,30 @@ def test_addition_eval_scores_each_answer_position_at_the_trained_depth():
     assert out["accuracy"] == {"1": zero, "2": zero, "3": zero} and "accuracy_public" not in out
 
 
-def test_reports_from_before_the_rename_read_with_relative_step():
-    old = {"per_loop": [{"k": 1, "fixed_point_residual": None}, {"k": 2, "fixed_point_residual": 0.1}],
-           "addition": {"residual": {"2": 0.3}}}
-    rep = report.renamed(old)
-    assert [r["relative_step"] for r in rep["per_loop"]] == [None, 0.1] and rep["addition"]["relative_step"] == {"2": 0.3}
-    assert report.renamed({"per_loop": [{"relative_step": 0.2}]})["per_loop"][0]["relative_step"] == 0.2  # new: as is
+@pytest.mark.parametrize("variant", [{}, {"inject": True, "loop_norm": True}, {"loop_damping": 0.5}])
+def test_loop_rho_is_the_spectral_radius_of_the_whole_loop_map(variant):
+    # the exact Jacobian of the loop map of two sequences, (T·d)² each: causal attention makes it block
+    # lower-triangular over positions, so its ρ is the largest of the diagonal blocks' (loop_rho's)
+    from conftest import batch, tiny
+    model, T, d = tiny(**variant), 6, 32
+    x = batch(B=2, T=T)[0]
+    with torch.no_grad():
+        h0 = model.embed(x)
+        h = model.loop_states(x, 3)[-1]
+    rho, off = report.loop_rho(model, h0, h, off_state=True)  # every position's block, both sequences at once
+    assert rho.shape == off.shape == (2, T)
+    for b in range(2):
+        J = torch.autograd.functional.jacobian(stars.looplm_step_fn(model, h0[b:b + 1]), h[b:b + 1])
+        J = J.reshape(T, d, T, d).double()
+        assert all(J[s, :, t].abs().max() == 0 for t in range(T) for s in range(t))  # causal: block lower-triangular
+        whole = torch.linalg.eigvals(J.reshape(T * d, T * d)).abs().max().item()
+        assert rho[b].max().item() == pytest.approx(whole, rel=1e-5) and whole > 0.5
+        for t in range(T):  # each position: its diagonal block of the whole map, and that block off the state
+            u = h[b, t].double() / h[b, t].double().norm()
+            P = torch.eye(d, dtype=torch.float64) - torch.outer(u, u)
+            assert rho[b, t].item() == pytest.approx(torch.linalg.eigvals(J[t, :, t]).abs().max().item(), rel=1e-5)
+            assert off[b, t].item() == pytest.approx(torch.linalg.eigvals(P @ J[t, :, t] @ P).abs().max().item(),
+                                                     rel=1e-5)
+        if not variant:  # pre-norm: the state's own direction is (nearly) an eigenvector with eigenvalue near 1
+            assert all(torch.allclose(J[t, :, t] @ h[b, t].double(), h[b, t].double(), rtol=0.05,
+                                      atol=0.05 * h[b, t].norm().item()) for t in range(T))

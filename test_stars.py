@@ -1,9 +1,10 @@
-"""Tests of stars.py: the Jacobian penalty, power iteration, loop sampling. Fast unless marked slow: `python -m pytest -q -m "not slow"`."""
+"""Tests of stars.py: the Jacobian penalty, loop sampling. Fast unless marked slow: `python -m pytest -q -m "not slow"`."""
 import math
 
 import pytest
 import torch
 
+import report
 import stars
 from conftest import batch, tiny
 from looplm import LoopLM, LoopLMConfig
@@ -22,8 +23,6 @@ def _linear_step(eigs, seed=0, block=None):
 def test_stars_linear_step_known_spectrum():
     eigs = [-1.5] + torch.linspace(-1.0, 1.0, 15).tolist()  # dominant eigenvalue negative: ρ = |λ| = 1.5
     A, f = _linear_step(eigs)
-    h = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    assert abs(stars.spectral_radius(f, h, generator=torch.Generator().manual_seed(2)) - 1.5) < 0.015
     # E‖Jv‖² = ‖A‖_F²/n for unit isotropic v: 4,000 draws in one batch
     H = torch.zeros(4000, 16, dtype=torch.float64)
     pen, jv_norm = stars.jsrr_penalty(f, H, mode="jvp", generator=torch.Generator().manual_seed(3))
@@ -32,18 +31,12 @@ def test_stars_linear_step_known_spectrum():
     # symmetric A: vᵀA = (Av)ᵀ, so the same v gives the same value in both modes
     pen2, jv_norm2 = stars.jsrr_penalty(f, H, mode="vjp", generator=torch.Generator().manual_seed(3))
     assert torch.allclose(jv_norm, jv_norm2, rtol=1e-10) and torch.allclose(pen, pen2, rtol=1e-10)
-    # a rotating (complex) dominant pair, |λ| = 1.2: the geometric-mean estimate still finds it
-    c, s = math.cos(1.0), math.sin(1.0)
-    R = 1.2 * torch.tensor([[c, -s], [s, c]], dtype=torch.float64)
-    B, g = _linear_step(None, block=torch.block_diag(R, torch.diag(torch.linspace(-0.9, 0.9, 14, dtype=torch.float64))))
-    assert abs(torch.linalg.eigvals(B).abs().max().item() - 1.2) < 1e-9
-    assert abs(stars.spectral_radius(g, h, iters=40, generator=torch.Generator().manual_seed(2)) - 1.2) < 0.012
+    assert pen.item() < 1.5 ** 2 / 2  # the mean squared singular value, far below ρ² = 2.25
 
 
-def test_stars_rho_at_chosen_positions_is_their_diagonal_blocks():
-    # a causal map over 3 positions of width 4: J is block lower-triangular, so its eigenvalues are
-    # those of the diagonal blocks. Position 0 (say, padding) has ρ 1.5; positions 1 and 2 (the answer)
-    # have a rotating complex pair of modulus 0.9 and a real 0.7. The masked ρ must be 0.9, not 1.5.
+def test_stars_penalty_with_a_mask_sees_only_those_positions():
+    # a causal map over 3 positions of width 4: J is block lower-triangular. Position 0 (say, padding) has ρ 1.5;
+    # positions 1 and 2 (the answer) a rotating complex pair of modulus 0.9 and a real 0.7.
     g = torch.Generator().manual_seed(0)
     c, s = math.cos(0.7), math.sin(0.7)
     blocks = [torch.diag(torch.tensor([1.5, 0.2, 0.1, -0.3], dtype=torch.float64)),
@@ -58,8 +51,6 @@ def test_stars_rho_at_chosen_positions_is_their_diagonal_blocks():
     f = lambda h: (h.flatten(1) @ J.T).view_as(h)
     h = torch.zeros(5, 3, 4, dtype=torch.float64)
     mask = torch.tensor([False, True, True]).expand(5, 3)
-    assert abs(stars.spectral_radius(f, h, iters=60, generator=g) - 1.5) < 0.02
-    assert abs(stars.spectral_radius(f, h, iters=60, generator=g, mask=mask) - 0.9) < 0.02
     # the penalty with that mask: v and Jv live at the masked positions only
     pen, _ = stars.jsrr_penalty(f, h, generator=g, mask=mask)
     Jm = J[4:, 4:]
@@ -99,7 +90,7 @@ def test_stars_penalty_grad_reaches_every_block_parameter(mode):
 def test_stars_penalty_alone_drives_rho_below_one():
     torch.manual_seed(0)
     m = LoopLM(LoopLMConfig(vocab_size=61, block_size=32, n_layer=1, n_head=4, n_embd=32, block_norm="sandwich",
-                            dropout=0.0, init="nanogpt"))
+                            dropout=0.0, init="nanogpt")).eval()  # (dropout 0: no difference to training)
     with torch.no_grad():  # scale the block's matrices up: an unstable loop, ρ > 1
         for p in m.blocks.parameters():
             if p.dim() == 2:
@@ -110,16 +101,16 @@ def test_stars_penalty_alone_drives_rho_below_one():
         with torch.no_grad():
             return m.embed(idx), m.loop_states(idx, 4)[-1]
 
-    def rho():
+    def rho():  # exactly, from every position's block (report.loop_rho), the largest over the batch
         h0, h = states()
-        return stars.spectral_radius(stars.looplm_step_fn(m, h0), h, generator=torch.Generator().manual_seed(3))
+        return report.loop_rho(m, h0, h)[0].max().item()
 
     rho0 = rho()
     assert rho0 > 1.1
     opt = torch.optim.Adam(m.blocks.parameters(), lr=3e-3)
     for it in range(40):  # the public code's VJP penalty drives ρ from above 1.1 to below 0.5
         h0, h = states()
-        pen, _ = stars.jsrr_penalty(stars.looplm_step_fn(m, h0), h, generator=stars.step_generator(0, it))
+        pen, _ = stars.jsrr_penalty(stars.looplm_step_fn(m, h0), h, generator=torch.Generator().manual_seed(it))
         opt.zero_grad()
         pen.backward()
         opt.step()
@@ -128,7 +119,8 @@ def test_stars_penalty_alone_drives_rho_below_one():
 
 def test_stars_sample_loops_deterministic_and_exact_mean():
     mu, sigma, loop_max = 2.0, 0.7, 100
-    draw = lambda seed, n, **kw: [stars.sample_loops(stars.step_generator(seed, i), **kw) for i in range(n)]
+    draw = lambda seed, n, **kw: [stars.sample_loops(torch.Generator().manual_seed(seed * 100_003 + i), **kw)
+                                  for i in range(n)]
     assert draw(7, 50) == draw(7, 50) and draw(7, 50) != draw(8, 50)
     ts = [t for t, b in draw(0, 10_000, mu=mu, sigma=sigma, loop_max=loop_max)]
     assert min(ts) >= 1 and max(ts) <= loop_max and all(isinstance(t, int) for t in ts)
@@ -144,12 +136,6 @@ def test_stars_sample_loops_deterministic_and_exact_mean():
     # Paper B's lognormal with truncated backprop: the same depths, gradient through the last b = min(t, 4)
     assert [t for t, _ in draw(0, 200, mu=mu, sigma=sigma, grad_loops=4)] == ts[:200]
     assert all(b == min(t, 4) for t, b in draw(0, 200, mu=mu, sigma=sigma, grad_loops=4))
-    # Huginn: (t, b) with gradient through the last b = min(t, grad_loops) loops, E[t] = loop_mean + 1
-    splits = draw(1, 2000, kind="poisson_lognormal", sigma=0.5, loop_mean=32, grad_loops=8, loop_max=1000)
-    for t, b in splits:
-        assert 1 <= b <= 8 and t >= b and (t == b or b == 8)
-    assert abs(sum(t for t, _ in splits) / len(splits) / 33 - 1) < 0.05
-    assert max(t for t, _ in draw(2, 500, kind="poisson_lognormal", loop_mean=32, loop_max=40)) == 40
 
 
 @pytest.mark.parametrize("mode", ["jvp", "vjp"])
@@ -191,10 +177,6 @@ def test_stars_jvp_vjp_agree_in_expectation_on_looplm():
     assert abs(fro - 1) > 0.1  # not the identity's value
     _, rv_same = stars.jsrr_penalty(f, h, mode="vjp", generator=torch.Generator().manual_seed(0))
     assert ((rj - rv_same).abs() / rj).max() > 0.01  # J really is non-symmetric: the test is not trivial
-    # power iteration on the real model vs the exact ρ(J) = max|eig(J)| (here |λ₂/λ₁| ≈ 0.90)
-    rho = torch.linalg.eigvals(J).abs().max().item()
-    est = stars.spectral_radius(f, h[:4], iters=50, generator=torch.Generator().manual_seed(0))
-    assert abs(est / rho - 1) < 0.01, (est, rho)
 
 
 def test_stars_objective_lambda_and_bad_arguments():
@@ -202,21 +184,20 @@ def test_stars_objective_lambda_and_bad_arguments():
     assert abs(stars.stars_objective(torch.tensor(2.0), torch.tensor(4.0), 0.1).item() - 2.2) < 1e-6
     with pytest.raises(ValueError, match="choose one of jvp, vjp"):
         stars.jsrr_penalty(lambda h: h, torch.zeros(2, 3), mode="fwd")
-    with pytest.raises(ValueError, match="choose one of fixed, lognormal, poisson_lognormal"):
+    with pytest.raises(ValueError, match="choose one of fixed, lognormal"):
         stars.sample_loops(None, kind="normal")
 
 
 def test_stars_training_loss_options_put_the_penalty_where_asked(monkeypatch):
-    # deep: at loop `deep`'s state, reached without gradient; supervised: the mask of the targets;
-    # iters: passed through. Dropout 0, so the deep state equals the model run to that depth.
+    # at the last state, detached; supervised: the mask of the targets; iters: passed through
     m = tiny(block_norm="sandwich")
     idx, tgt = batch()
     tgt[:, :5] = -1
     seen, real = {}, stars.jsrr_penalty
     monkeypatch.setattr(stars, "jsrr_penalty", lambda f, h, **kw: seen.update(h=h, **kw) or real(f, h, **kw))
-    pen = stars.Penalty(0.1, deep=7, supervised=True, iters=2, generator=torch.Generator().manual_seed(0))
+    pen = stars.Penalty(0.1, supervised=True, iters=2, generator=torch.Generator().manual_seed(0))
     loss, states, jv = stars.training_loss(m, idx, tgt, 3, penalty=pen)
-    assert torch.allclose(seen["h"], m.loop_states(idx, 7)[-1], atol=1e-5) and not seen["h"].requires_grad
+    assert torch.equal(seen["h"], states[-1].detach()) and not seen["h"].requires_grad
     assert torch.equal(seen["mask"], tgt != -1) and seen["iters"] == 2 and len(states) == 3
     loss.backward()
     assert all(p.grad is not None for p in m.blocks.parameters())

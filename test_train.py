@@ -41,12 +41,22 @@ def test_train_stars_rows_puts_the_penalty_on_that_many_sequences(train_data_arg
         assert seen == [want, want], (rows, seen)  # steps 2 and 3: after the warm-up
         assert all("jv_norm" in r for r in train_losses(tmp_path / rows)[1:])
 
-def test_train_state_noise_anneal_scales_the_noise_by_one_minus_the_run_done(train_data_args, tmp_path, monkeypatch):
-    scales, real = [], stars.training_loss
-    monkeypatch.setattr(stars, "training_loss", lambda model, *a: scales.append(model.noise_scale) or real(model, *a))
-    argv = ["--inject", "--state_noise", "0.5", "--state_noise_anneal", "--max_iters", "4", "--eval_interval", "4"]
-    assert run_train(TRAIN_TINY + train_data_args + argv + ["--out_dir", tmp_path / "run"]) == 0
-    assert scales == [1.0, 0.75, 0.5, 0.25]
+def test_train_rows_of_one_seed_train_on_the_same_batches_whatever_their_sampler_or_penalty(train_data_args, tmp_path,
+                                                                                             monkeypatch):
+    # every random stream has its own generator (train.step_streams): drawing a depth or STARS's direction
+    # shifts no batch, so rows of one seed are paired in data; another seed draws other batches
+    seen, real = [], data.train_batch
+    monkeypatch.setattr(data, "train_batch", lambda *a: seen.append(real(*a)) or seen[-1])
+    runs = {"fixed": [], "stars": ["--loop_sampling", "lognormal", "--loop_mu", "0.7", "--loop_max", "4",
+                                   "--stars_lambda", "0.1", "--stars_warmup", "1"], "seed 2": ["--seed", "2"]}
+    batches = {}
+    for name, extra in runs.items():
+        seen.clear()
+        argv = TRAIN_TINY + train_data_args + ["--gradient_accumulation_steps", "2", "--out_dir", tmp_path / name]
+        assert run_train(argv + extra) == 0
+        batches[name] = torch.stack([x for x, _ in seen])
+    assert len(batches["fixed"]) == 12 and len({r["loops"] for r in train_losses(tmp_path / "stars")}) > 1
+    assert torch.equal(batches["fixed"], batches["stars"]) and not torch.equal(batches["fixed"], batches["seed 2"])
 
 
 def test_train_logs_jv_norm_as_the_mean_over_micro_batches(train_data_args, tmp_path, monkeypatch):
@@ -166,16 +176,6 @@ def test_train_piped_into_a_closed_pipe_trains_to_the_end(train_data_args, tmp_p
     monkeypatch.setattr(sys, "stdout", Closed())
     assert run_train(TRAIN_TINY + train_data_args + ["--out_dir", tmp_path / "run"]) == 0
     assert checkpoint.load_checkpoint(tmp_path / "run")["iter_num"] == 6
-
-
-def test_train_resume_keeps_the_recipe_of_an_older_checkpoint():
-    # before --grad_loops applied to every sampler, a lognormal run stored grad_loops 4 and backpropagated
-    # through every loop: resuming it must not switch truncated backprop on
-    cfg, model_args, given = train.settings([])
-    old = {"config": {"loop_sampling": "lognormal", "grad_loops": 4, "task": "lm"}, "model_args": {"n_embd": 512}}
-    assert checkpoint.resume_settings(cfg, model_args, given, old)[0].grad_loops == 0
-    new = {"config": {**old["config"], "loop_start": 0}, "model_args": {"n_embd": 512}}
-    assert checkpoint.resume_settings(cfg, model_args, given, new)[0].grad_loops == 4
 
 
 def test_train_resume_needs_a_full_checkpoint(trained_run, train_data_args, tmp_path, capsys):
@@ -392,7 +392,6 @@ TRAIN_BAD_INPUTS = {
     "invalid block_norm": (["--block_norm", "mid"], 2, "--block_norm 'mid' is invalid; choose one of pre, post, sandwich"),
     "invalid loop_sampling": (["--loop_sampling", "uniform"], 2, "--loop_sampling 'uniform' is invalid"),
     "n_loops < 1": (["--n_loops", "0"], 2, "--n_loops 0 is invalid; it must be >= 1"),
-    "old name": (["--n_loop", "2"], 2, "--n_loop was renamed: use --n_loops"),
     "negative stars_lambda": (["--stars_lambda", "-1"], 2, "--stars_lambda -1.0 is invalid; it must be >= 0.0 and <= 1.0"),
     "nan learning rate": (["--learning_rate", "nan"], 2, "--learning_rate nan is invalid; it must be a finite number"),
     "beta1 out of range": (["--beta1", "1.5"], 2, "--beta1 1.5 is invalid; it must be >= 0.0 and <= 0.9999"),
@@ -418,8 +417,6 @@ TRAIN_BAD_INPUTS = {
     "digits out of range": (["--task", "addition", "--digits", "9"], 2, "--digits 9 is invalid; it must be >= 2 and <= 8"),
     "config file missing": (["config/nope.py"], 2, "config file config/nope.py not found"),
     "bad device": (["--device", "gpu0"], 2, "--device 'gpu0' is invalid"),
-    "anneal without noise": (["--state_noise_anneal"], 2, "--state_noise_anneal needs --state_noise"),
-    "grad_first without grad_loops": (["--grad_first", "2"], 2, "--grad_first 2 needs --grad_loops"),
     "damping out of range": (["--loop_damping", "0"], 2, "--loop_damping 0.0 is invalid"),
 }
 

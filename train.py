@@ -84,20 +84,15 @@ class TrainConfig:
     beta2: float = setting(0.999, "AdamW beta2", lo=0.0, hi=0.99999)
     grad_clip: float = setting(1.0, "clip the gradient norm to this (0 = off)", lo=0.0, hi=1e6)
     # depth during training (Paper B)
-    loop_sampling: str = setting("fixed", "fixed: n_loops | lognormal: clip(round(LogNormal(mu, sigma)), 1, loop_max) "
-                                 "| poisson_lognormal: Huginn's, Poisson(e^τ) + 1 with E[e^τ] = loop_mean",
+    loop_sampling: str = setting("fixed", "fixed: n_loops | lognormal: clip(round(LogNormal(mu, sigma)), 1, loop_max)",
                                  choices=stars.KINDS)
     loop_mu: float = setting(2.0, "lognormal: mu", lo=-10.0, hi=10.0)
-    loop_sigma: float = setting(0.7, "lognormal and poisson_lognormal: sigma", lo=0.0, hi=10.0)
+    loop_sigma: float = setting(0.7, "lognormal: sigma", lo=0.0, hi=10.0)
     loop_max: int = setting(100, "the largest sampled number of loops", lo=1, hi=100_000)
-    loop_mean: float = setting(4.0, "poisson_lognormal: r̄, the mean of e^τ (the depth's mean is r̄ + 1 before "
-                                    "loop_max)", above=0.0, hi=100_000.0)
     loop_start: int = setting(0, "sample depths from this step on; before it train at n_loops (a curriculum: the shallow "
                                  "task first; Paper B: 0)", lo=0, hi=10**12)
     grad_loops: int = setting(0, "from --loop_start on, truncated backprop: gradient through the last N loops only (0: "
                                  "every loop, Paper B; Huginn: 8; fixed depth n_loops > N: a DEQ-style target)", lo=0, hi=100_000)
-    grad_first: int = setting(0, "with --grad_loops, the first N loops get gradient too: with per-loop CE their exits "
-                                 "are trained (a DEQ-style target mixed with early exits)", lo=0, hi=100_000)
     stars_lambda: float = setting(0.0, "STARS: weight of the Jacobian penalty (Paper B: 0.1; 0 = off)", lo=0.0, hi=1.0)
     stars_warmup: int = setting(2000, "steps before the STARS penalty is switched on", lo=0, hi=10**12)
     stars_mode: str = setting("vjp", "vjp: as Paper B's code | jvp: forward-mode AD", choices=stars.MODES)
@@ -105,10 +100,6 @@ class TrainConfig:
                                  "Paper B): an unbiased estimate of the same mean at a fraction of the cost", lo=0, hi=65536)
     stars_iters: int = setting(1, "power iterations inside the STARS penalty (Paper B's spectral_iters: 1)", lo=1, hi=100)
     stars_supervised: bool = setting(False, "the STARS penalty at supervised positions only (Paper B: every position)")
-    stars_deep: int = setting(0, "the STARS penalty at loop N's state, reached without gradient from the sampled depth "
-                                 "(0: at the sampled depth, as Paper B)", lo=0, hi=100_000)
-    state_noise_anneal: bool = setting(False, "Huginn's random start, annealed: state_noise times 1 − step/max_iters, "
-                                              "from the full noise at step 0 to none at the end")
     checkpoint_loops: bool = setting(False, "activation checkpointing per loop (the step and, with per-loop CE, the "
                                             "readout): training memory flat in the depth")
     # evaluation
@@ -133,10 +124,6 @@ def settings(argv):
     if cfg.zero_digits_steps and cfg.task != "addition":
         raise UsageError(f"--zero_digits_steps {cfg.zero_digits_steps} is a curriculum of the addition task; "
                          "use it with --task addition")
-    if cfg.state_noise_anneal and not model_args["state_noise"]:
-        raise UsageError("--state_noise_anneal needs --state_noise (with --inject): it anneals that noise")
-    if cfg.grad_first and not cfg.grad_loops:
-        raise UsageError(f"--grad_first {cfg.grad_first} needs --grad_loops: without it every loop has gradient")
     if cfg.stars_lambda and cfg.stars_warmup >= cfg.max_iters and not cfg.eval_only:
         raise UsageError(f"--stars_warmup {cfg.stars_warmup} is not below --max_iters {cfg.max_iters}: the STARS penalty "
                          "would never switch on; lower --stars_warmup")
@@ -154,6 +141,8 @@ def settings(argv):
 def setup_device(cfg):
     """(device, autocast context, rank, world size). torchrun sets WORLD_SIZE and RANK."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world > 256:
+        raise UsageError(f"{world} processes: at most 256 (each has its own random streams, train.stream_seed)")
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if "cuda" in device and not torch.cuda.is_available():
         raise RunError(f"--device {device} but CUDA is not available; use --device cpu (or auto)")
@@ -186,19 +175,25 @@ def lr_at(cfg, it, max_iters):
 
 
 # ---------------------------------------------------------------- the training loop
+STREAMS = ("depth", "batch", "v", "dropout")
+
+
+def stream_seed(seed, it, stream, rank=0):
+    """The seed of one random stream of step `it`. Within a seed, a different number for each step below 2^22,
+    stream and rank (< 256) in its low 32 bits, the only ones torch's CPU generator keeps."""
+    return (((seed * 1_000_003 + it) * 256 + rank) * len(STREAMS) + STREAMS.index(stream)) % 2**64
+
+
 def step_streams(cfg, it, rank, device):
-    """Step `it`'s random generators, seeded by (seed, step, rank) alone: a resumed run draws what the uninterrupted
-    one drew (exactly on CPU). One process: one generator of (seed, step) draws the depth (once sampling starts),
-    then per micro-batch the batch and, on CPU once λ > 0, STARS's direction v. So runs of one seed share batches
-    only while what they draw before each is alike (fixed draws nothing, lognormal one number; v), or always with
-    --window_stride (data.windows_batch: a function of seed, step, micro-batch and rank). Rank r > 0 draws its batch
-    and v from its own (seed + 7919·r, step); on a GPU, v comes from a device generator of (seed, step, rank).
-    Dropout and the random start's noise use torch's global generator, seeded here. Returns (depth, batch, penalty)."""
-    torch.manual_seed(cfg.seed * 1_000_003 + it * 1009 + rank)
-    depth = stars.step_generator(cfg.seed, it)
-    batch = stars.step_generator(cfg.seed + 7919 * rank, it) if rank else depth
-    penalty = batch if device == "cpu" else torch.Generator(device).manual_seed(cfg.seed * 1_000_003 + it + 7919 * rank)
-    return depth, batch, penalty
+    """Step `it`'s random streams, each from its own generator seeded by (seed, step, stream, rank) alone. So a
+    resumed run draws what the uninterrupted one drew (exactly on CPU), and no stream shifts another: rows of one
+    seed train on the same batches whatever their depth sampler or penalty. The depth is the same on every rank (it
+    is drawn as rank 0's); the batch and STARS's direction v are each rank's own, v on the device (None without
+    STARS). Dropout and the random start's noise use torch's global generator, seeded here with the "dropout"
+    stream. Returns the (depth, batch, v) generators."""
+    torch.manual_seed(stream_seed(cfg.seed, it, "dropout", rank))
+    gen = lambda stream, r, dev="cpu": torch.Generator(dev).manual_seed(stream_seed(cfg.seed, it, stream, r))
+    return gen("depth", 0), gen("batch", rank), gen("v", rank, device) if cfg.stars_lambda else None
 
 
 def train(cfg, run, model, optimizer):
@@ -221,19 +216,16 @@ def train(cfg, run, model, optimizer):
             lr = lr_at(cfg, it, run.max_iters)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            if cfg.state_noise_anneal:
-                model.noise_scale = 1 - it / run.max_iters
             g_depth, g_batch, g_penalty = step_streams(cfg, it, run.rank, run.device)
             n_loops, grad_loops = stars.training_depth(cfg, it, model.config.n_loops, g_depth)
             lam = stars.lambda_at(it, cfg.stars_lambda, cfg.stars_warmup)
             penalty = stars.Penalty(lam, cfg.stars_mode, cfg.stars_rows, cfg.stars_iters, cfg.stars_supervised,
-                                    cfg.stars_deep, g_penalty) if lam > 0 else None
+                                    g_penalty) if lam > 0 else None
             logged = torch.zeros(4, device=run.device)  # loss, mean ‖H_K‖, signalled, ‖Jv‖: read at log steps only
             for micro in range(cfg.gradient_accumulation_steps):
                 x, y = data.train_batch(cfg, run, g_batch, micro)
                 with run.ctx:
-                    loss, states, jv = stars.training_loss(model, x, y, n_loops, grad_loops, penalty, cfg.checkpoint_loops,
-                                                             cfg.grad_first)
+                    loss, states, jv = stars.training_loss(model, x, y, n_loops, grad_loops, penalty, cfg.checkpoint_loops)
                 (loss / cfg.gradient_accumulation_steps).backward()
                 logged[:2] += torch.stack([loss.detach().float(), token_norms(states[-1].detach()).mean()]) \
                     / cfg.gradient_accumulation_steps

@@ -43,10 +43,9 @@ def page(runs, args):
     lines = ["# Paper B at CPU scale: addition at every depth\n", study.provenance(runs, args)]
     lines.append("\nRecipes (`python train.py` options; each run adds `--seed S`):\n")
     lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
-    lines.append("\nA seed fixes the initial weights and the random streams (`train.step_streams`). The batch is drawn "
-                 "after the depth from one generator, so from step 400, where sampling starts, the sampled rows see "
-                 "other batches than the fixed-depth ones (and the same as each other): a seed pairs them in init, "
-                 "not in data.")
+    lines.append("\nA seed fixes the initial weights and the problems (`train.step_streams`: each random stream has its "
+                 "own generator): every recipe of one seed trains on the same problems in the same order, but "
+                 "`no_curriculum`, which draws uniform problems where the others draw easy ones (until step 400).")
     for proto, title in (("accuracy", f"Strict exact match (%, {n_test:,} held-out problems: space, digits and § right)"),
                          ("accuracy_public", "Paper B's protocol (%, first 100 problems, greedy for the answer's "
                                              "length, digits compared as an integer)")):
@@ -59,6 +58,11 @@ def page(runs, args):
     deep = [k for k in (32, 64, 100) if k in depths]
     if deep:
         lines.append("\n## Fixed points: ρ of the loop map at the answer positions, relative step ‖h_k − h_{k−1}‖/‖h_{k−1}‖\n")
+        lines.append("ρ(∂h_k/∂h_{k−1}) at loop k's input, exactly (`report.loop_rho`: causal attention makes the map's "
+                     "Jacobian block lower-triangular over positions, so its eigenvalues are those of each position's "
+                     "own block): the largest over the answer positions, the ones that decide the output, averaged over "
+                     "16 held-out problems. Below 1 the loop settles on a fixed point there. The relative step: at the "
+                     "answer positions, over every held-out problem.\n")
         lines.append("| recipe | " + " | ".join(f"ρ at {k}" for k in deep) + " | "
                      + " | ".join(f"relative step at {k}" for k in deep) + " |")
         lines.append("|---|" + "---|" * 2 * len(deep))

@@ -13,8 +13,8 @@ run.json: the command, its wall time, the commit and the machine). A run whose r
 command and that has its report.json is finished: it is not run again, so an interrupted study resumes
 where it stopped, and an interrupted run continues from its checkpoint (--init_from resume). A finished run
 whose command now resolves to other settings (a preset edited since) is run again, and left off the page.
-Whether code changed since the runs moves their numbers, --verify tells: it trains a row's first seed again at
-this commit and compares every number (the page's header gives the verdict).
+The page's header names the commit of its runs and says whether the code that trains and evaluates has changed
+since.
 """
 import argparse
 import datetime
@@ -31,7 +31,6 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from data import atomic_write_text  # noqa: E402
-from report import renamed  # noqa: E402
 
 
 def parse(study, doc, default_seeds, quick_args, jobs=2, threads=1):
@@ -49,10 +48,6 @@ def parse(study, doc, default_seeds, quick_args, jobs=2, threads=1):
     p.add_argument("--quick", action="store_true", help="two rows, one seed, a few steps: checks the pipeline")
     p.add_argument("--dry_run", action="store_true", help="print the commands and exit")
     p.add_argument("--page_only", action="store_true", help="run nothing: the page from the runs that have finished")
-    p.add_argument("--since", action="store_true", help="run nothing: what the code here changed since the runs and the "
-                   "rerun checks that the page names (no runs needed: a fresh clone can ask)")
-    p.add_argument("--verify", action="store_true", help="train the first seed of each row in --rows (default: the first "
-                   "row) again from scratch here, compare every number with its finished run, then write the page")
     args = p.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     if args.quick:
@@ -61,9 +56,6 @@ def parse(study, doc, default_seeds, quick_args, jobs=2, threads=1):
     args.study = study
     args.runs = os.path.abspath(args.runs or os.path.join(ROOT, "runs", study + ("-quick" if args.quick else "")))
     args.out = os.path.abspath(args.out or (args.runs if args.quick else os.path.dirname(os.path.abspath(sys.argv[0]))))
-    if args.since:
-        print(page_since(page_path(args)))
-        raise SystemExit(0)
     os.makedirs(args.out, exist_ok=True)
     os.chdir(ROOT)  # where train.py runs and its presets' paths start (--runs and --out are absolute by now)
     return args
@@ -163,7 +155,7 @@ def finished_runs(rows, args):
             meta = read_json(os.path.join(path, "run.json"))
             argv = command(rows[name], seed, path, args)
             if meta.get("finished") and same_command(meta, argv):
-                rep = renamed(read_json(os.path.join(path, "report.json")))
+                rep = read_json(os.path.join(path, "report.json"))
                 changed = settings_changed(argv, rep)
                 if changed:
                     print(f"left off the page: {path} ran at other settings ({fmt_changed(changed)}); rerun the study")
@@ -187,20 +179,13 @@ def run_all(rows, args):
     chosen = {k: v for k, v in rows.items() if not args.rows or k in args.rows.split(",")}
     if args.quick:
         rows = chosen = dict(list(chosen.items())[:2])
-    if args.verify and args.page_only:
-        raise SystemExit("--verify trains; --page_only runs nothing: give one of them")
-    if args.verify:  # the check's runs: the first seed of each row asked (default: the first row)
-        chosen = chosen if args.rows else dict(list(chosen.items())[:1])
-    jobs = [(name, seed, os.path.join(args.runs + ("-verify" if args.verify else ""), name, f"s{seed}"))
-            for name in chosen for seed in (args.seeds[:1] if args.verify else args.seeds)]
+    jobs = [(name, seed, os.path.join(args.runs, name, f"s{seed}")) for name in chosen for seed in args.seeds]
     argvs = {(name, seed): command(chosen[name], seed, d, args) for name, seed, d in jobs}
     for name, seed, _ in jobs:
         print(f"python train.py {shlex.join(argvs[name, seed])}")
     if args.dry_run:
         raise SystemExit(0)
-    if args.verify:
-        verify(chosen, {name: (argvs[name, seed], d) for name, seed, d in jobs}, args)
-    elif not args.page_only:
+    if not args.page_only:
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = {(name, seed): pool.submit(run_one, argvs[name, seed], d) for name, seed, d in jobs}
             try:
@@ -210,52 +195,6 @@ def run_all(rows, args):
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
     return finished_runs(rows, args)
-
-
-def verify(rows, jobs, args):
-    """--verify: whether the code changed since a row's runs moves their results. Its first seed is trained again from
-    scratch at this commit, in runs/<study>-verify/, and every number of the new report.json and log.jsonl is compared
-    with the finished run's (settings and tokens/s left out). The outcome, by row, goes to runs/<study>/verify.json,
-    which the page's header states. jobs: {row: (its train.py argv, the check's folder)}, from run_all."""
-    from checkpoint import read_log
-    seed, path = args.seeds[0], os.path.join(args.runs, "verify.json")
-    kept = {name: run.get(seed) for name, run in finished_runs(rows, args).items()}
-    missing = [name for name in jobs if kept.get(name) is None]
-    if missing:
-        raise SystemExit(f"--verify: no finished run of {', '.join(missing)} seed {seed} to compare with: run the study first")
-    for _, d in jobs.values():
-        if os.path.exists(d):
-            shutil.rmtree(d)  # from scratch: never a finished or resumed earlier check
-    with ThreadPoolExecutor(args.jobs) as pool:
-        new = dict(zip(jobs, pool.map(lambda job: run_one(*job), jobs.values())))
-    checks = read_json(path)
-    for name, (meta, rep) in new.items():
-        n, diffs = differences([renamed(rep), read_log(jobs[name][1])], [kept[name][1], read_log(kept[name][0]["out_dir"])])
-        added = [p for p, _, then in diffs if then is None]  # what the report has gained since (a new diagnostic)
-        diffs = [d for d in diffs if d[2] is not None]
-        checks[name] = {"seed": seed, "commit": meta["commit"], "runs_commit": kept[name][0]["commit"],
-                        "runs_date": kept[name][0].get("date"), "numbers": n,
-                        "differ": len(diffs), "first_differences": diffs[:3], "added": added, "wall_s": meta["wall_s"]}
-        print(f"--verify {name} seed {seed}: {len(diffs)} of {n} numbers differ from the run at {kept[name][0]['commit']}"
-              + "".join(f"; {p}: {a!r} now, {b!r} then" for p, a, b in diffs[:3])
-              + (f"; {len(added)} values new since it ran ({', '.join(added[:3])}...)" if added else ""))
-    atomic_write_text(path, json.dumps(checks, indent=1))
-
-
-def differences(a, b, where=""):
-    """(how many numbers a holds, [(where, a's value, b's) for each leaf that differs]) of two JSON values; the
-    settings ("config") and the speed ("tokens_per_s") are left out."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        parts = [differences(a.get(k), b.get(k), f"{where}.{k}") for k in sorted(a.keys() | b.keys())
-                 if k not in ("config", "tokens_per_s")]
-    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        parts = [differences(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b))]
-    else:
-        number = isinstance(a, (int, float)) and not isinstance(a, bool)
-        same = a == b or (number and isinstance(b, float) and a != a and b != b)  # NaN == NaN here
-        short = lambda v: f"{type(v).__name__} of {len(v)}" if isinstance(v, (list, dict)) else v
-        return int(number), [] if same else [(where.lstrip("."), short(a), short(b))]
-    return sum(n for n, _ in parts), [d for _, ds in parts for d in ds]
 
 
 # ---------------------------------------------------------------- the page
@@ -274,82 +213,37 @@ TRAINING_CODE = ("looplm.py", "stars.py", "train.py", "report.py", "data.py", "c
 
 
 def code_since(commits):
-    """The files of TRAINING_CODE that differ between the commits and the working tree, as (changed, cosmetic,
-    wording): cosmetic those whose change is in comments and docstrings only (the same syntax tree once docstrings
-    are dropped), wording those changed in help text and messages too, no more (bare_tree's messages). None if git
-    cannot read a commit."""
-    changed, cosmetic, wording = set(), set(), set()
+    """What changed in TRAINING_CODE between the commits and the working tree, in words: "unchanged", "changed in
+    a.py, b.py", or "... in comments and docstrings only" where the syntax trees without docstrings are the same."""
+    import ast
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
+
+    def bare(source):  # the syntax tree without docstrings, or None
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, TypeError):
+            return None
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
+                    getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        return ast.dump(tree)
+    changed, cosmetic = set(), set()
     for c in commits:
         rev = c.split("+")[0]
         r = git("diff", "--name-only", rev, "--", *TRAINING_CODE)
         if r.returncode:
-            return None
+            return f"not compared (git cannot read commit {rev})"
         for f in r.stdout.split():
             old, path = git("show", f"{rev}:{f}"), os.path.join(ROOT, f)
-            then, now = (old.stdout if old.returncode == 0 else None), (open(path).read() if os.path.exists(path) else None)
-            trees = lambda m: [bare_tree(t, m) if t is not None else None for t in (then, now)]
-            same = lambda m: (lambda a, b: a is not None and a == b)(*trees(m))
-            (cosmetic if same(False) else wording if same(True) else changed).add(f)
+            then, now = bare(old.stdout) if old.returncode == 0 else None, bare(open(path).read()) if os.path.exists(path) else None
+            (cosmetic if then is not None and then == now else changed).add(f)
         changed |= {"(uncommitted changes)"} if "+" in c else set()
-    return changed, cosmetic - changed - wording, wording - changed
-
-
-def since(commits, c=None):
-    """code_since (or its result c) in words: "changed in a.py (b.py: help text ... only; c.py: ...)", or "unchanged"."""
-    c = c or code_since(commits)
-    if c is None:
-        return f"not compared (git could not read commit {', '.join(commits)})"
-    changed, cosmetic, wording = c
-    notes = "; ".join(f"{', '.join(sorted(files))}: {what} only" for files, what in
-                      ((wording, "help text, messages, comments and docstrings"), (cosmetic, "comments and docstrings"))
-                      if files)
-    return (f"changed in {', '.join(sorted(changed))}" + (f" ({notes})" if notes else "") if changed
-            else "unchanged" + (f" but for wording ({notes})" if notes else ""))
-
-
-def page_since(path):
-    """--since: a page's header names the commits of its runs and of its rerun checks; what this checkout's
-    TRAINING_CODE changed since each, in since()'s words. A page's numbers hold here if the code is unchanged, or
-    changed in wording only, since its checks."""
-    import re
-    if not os.path.isfile(path):
-        raise SystemExit(f"--since: no page at {path} (write it with the study's command, or point --out at it)")
-    text = open(path).read()
-    runs = re.search(r"\*\*Runs:\*\*.*? at commit ([^\s,]+(?:, [^\s,]+)*), dated", text)
-    if not runs:
-        raise SystemExit(f"--since: {path} has no study page's header (a **Runs:** line): not a page a study wrote")
-    commits = lambda found: sorted({c.strip() for c in found})
-    checks = commits(re.findall(r", checked at ([^\s:]+):", text))
-    lines = [f"{os.path.relpath(path)}: code here ({commit()}) against the runs (at {runs.group(1)}): "
-             f"{since(commits(runs.group(1).split(',')))}."]
-    lines.append(f"against the rerun checks (at {', '.join(checks)}): {since(checks)}." if checks else "no rerun checks.")
-    return "\n".join(lines)
-
-
-def bare_tree(source, messages=False):
-    """A Python file's syntax tree without its docstrings (None if it does not parse); with messages, also
-    without the words of its help text and messages: the strings of setting(...) after its default, of print(...)
-    and of the exception a raise builds."""
-    import ast
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return None
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
-                getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
-            node.body = body[1:] or [ast.Pass()]
-        call = node.exc if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) else node
-        name = getattr(getattr(call, "func", None), "id", None) or getattr(getattr(call, "func", None), "attr", None)
-        if messages and isinstance(call, ast.Call) and (name in ("setting", "print") or call is not node):
-            words = lambda a: isinstance(a, ast.JoinedStr) or (isinstance(a, ast.Constant) and isinstance(a.value, str))
-            first = 1 if name == "setting" else 0  # (setting's default is a setting, not words)
-            call.args = call.args[:first] + [ast.Constant("") if words(a) else a for a in call.args[first:]]
-            call.keywords = [ast.keyword(k.arg, ast.Constant("")) if k.arg == "help" and words(k.value) else k
-                             for k in call.keywords]
-    return ast.dump(tree)
+    cosmetic -= changed
+    words = lambda files: ", ".join(sorted(files))
+    return ((f"changed in {words(changed)}" if changed else "unchanged") +
+            (f" ({words(cosmetic)}: comments and docstrings only)" if cosmetic else ""))
 
 
 def machine():
@@ -369,14 +263,13 @@ def mean_range(values, fmt=".1f", scale=1.0):
 
 def provenance(runs, args):
     """The page's header: its commit; the runs' commits, dates, machine(s), seeds and wall times; whether the code
-    changed since, and what --verify found."""
+    that trains and evaluates changed since the runs."""
     metas = [m for seeds in runs.values() for m, _ in seeds.values()]
     walls = [m.get("wall_s", 0) / 60 for m in metas]
     dates = sorted(m.get("date", "?")[:10] for m in metas)
     cmd = shlex.join([f"experiments/{args.study}.py", *sys.argv[1:]])
     seeds = sorted({s for r in runs.values() for s in r})
     commits = sorted({m["commit"] for m in metas})
-    code = code_since(commits)  # (changed, cosmetic, wording), or None
     threads = {0: "torch's default threads", 1: "1 thread each"}.get(args.threads, f"{args.threads} threads each")
     where = os.path.relpath(args.runs, ROOT) if args.runs.startswith(ROOT + os.sep) else args.runs
     lines = [f"Generated by `python {cmd}` at commit {commit()}.\n",
@@ -390,27 +283,7 @@ def provenance(runs, args):
              "- **Settings:** every run's recorded settings are those its command, presets included, resolves to "
              "here (`study.settings_changed`).",
              f"- **Code since the runs:** the Python that trains and evaluates ({', '.join(TRAINING_CODE)}) "
-             f"{since(commits, code)}."]
-    page_run = lambda name, c: runs.get(name, {}).get(c["seed"], ({},))[0]
-    checks = {name: c for name, c in read_json(os.path.join(args.runs, "verify.json")).items()  # of the runs shown
-              if page_run(name, c).get("commit") == c["runs_commit"] and c.get("runs_date", page_run(name, c).get("date"))
-              == page_run(name, c).get("date")}
-    verdicts = [f"  - `{name}` seed {c['seed']}, run at {c['runs_commit']}, checked at {c['commit']}: " +
-                (f"all {c['numbers']:,} the same" if not c["differ"] else f"{c['differ']:,} of {c['numbers']:,} differ (" +
-                 "; ".join(f"{p}: {a!r} now, {b!r} then" for p, a, b in c["first_differences"]) + ")") +
-                (f", plus {len(c['added'])} values its run lacks (new since: {c['added'][0].split('.')[-1]})"
-                 if c.get("added") else "") for name, c in checks.items()]
-    if checks:
-        uncovered = sorted(set(commits) - {c["runs_commit"] for c in checks.values()})
-        lines.append("- **Rerun check** (`--verify`: a row trained again from scratch, every number of its report.json and "
-                     f"log.jsonl, settings and speed aside, compared with its run's): {len(checks)} of {len(runs)} rows"
-                     + (f"; no check covers the runs made at {', '.join(uncovered)}" if uncovered else
-                        ", one at least from each commit the runs were made at") + ". Code since the checks: "
-                     + since(sorted({c["commit"] for c in checks.values()})) + ".")
-        lines += verdicts
-    if not checks and (code is None or code[0]):  # (nothing to check where the code is the same)
-        lines.append("- **Rerun check:** none yet (`--verify` trains a row's run again at this commit and compares "
-                     "every number).")
+             f"{code_since(commits)}."]
     return "\n".join(lines) + "\n"
 
 
