@@ -247,8 +247,8 @@ def load_cache(folder):
 
 
 def get_batch(data, batch_size, block_size, generator):
-    """Random windows (nanoGPT); the generator is seeded from (seed, step, rank), so a resumed
-    run draws exactly the batches the uninterrupted run would have drawn."""
+    """Random windows (nanoGPT); in training the generator is the step's batch stream (train.step_streams),
+    so a resumed run draws exactly the batches the uninterrupted run would have drawn."""
     if len(data) <= block_size + 1:
         raise RunError(f"split has {len(data)} tokens, fewer than block_size+1={block_size + 1}; lower --block_size")
     ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator)

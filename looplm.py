@@ -83,7 +83,8 @@ class LoopLMConfig:
 
 
 # the settings that shape or define what the weights compute: a resumed run cannot change them (another model)
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "mlp", "mlp_hidden", "block_norm", "loop_norm", "loop_damping", "norm", "bias")
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "mlp", "mlp_hidden", "block_norm", "loop_norm", "loop_damping", "inject", "norm",
+                "bias")
 
 
 class RMSNorm(nn.Module):

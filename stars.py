@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 MODES = ("jvp", "vjp")
-KINDS = ("fixed", "lognormal")
+KINDS = ("fixed", "lognormal", "poisson_lognormal")
 
 
 def _unit_normal(h, generator, mask=None):
@@ -91,23 +91,29 @@ def jsrr_penalty(step_fn, h, mode="vjp", generator=None, iters=1, mask=None):
     return sq.mean(), sq.detach().sqrt()
 
 
-# ---- how many loops this step: Paper B's lognormal -------------------------------------------
-def sample_loops(generator, kind="lognormal", mu=2.0, sigma=0.7, loop_max=100, grad_loops=0):
+# ---- how many loops this step: Paper B's lognormal, or Huginn's Poisson-lognormal ----------
+def sample_loops(generator, kind="lognormal", mu=2.0, sigma=0.7, loop_max=100, loop_mean=32, grad_loops=0):
     """Draw the depth of one training step: (n_loops, grad_loops), where grad_loops is None (the
     gradient flows through every loop, as in Paper B's code) or b (truncated backprop through the
     last b loops only, LoopLM.loop_states(grad_loops=b); Huginn uses 8). Deterministic given the generator.
-    fixed:     loop_max, always the same depth: the baseline, or with grad_loops a DEQ-style target (a deep
-               state reached mostly without gradient, the gradient through its last loops; deep equilibrium
-               models, arXiv 1909.01377).
-    lognormal: t = clip(round(LogNormal(mu, sigma)), 1, loop_max). Paper B uses μ=2, σ=0.7, loop_max=100
-               for addition and μ=1.7, σ=0.4, loop_max=16 for the Ouro fine-tune.
+    fixed:             loop_max, always the same depth: the baseline, or with grad_loops a DEQ-style target
+                       (a deep state reached mostly without gradient, the gradient through its last loops;
+                       deep equilibrium models, arXiv 1909.01377).
+    lognormal:         t = clip(round(LogNormal(mu, sigma)), 1, loop_max). Paper B uses μ=2, σ=0.7,
+                       loop_max=100 for addition and μ=1.7, σ=0.4, loop_max=16 for the Ouro fine-tune.
+    poisson_lognormal: Huginn's sampler (arXiv 2502.05171). τ ~ N(log r̄ − σ²/2, σ), so E[e^τ] = r̄ = loop_mean,
+                       t = min(Poisson(e^τ) + 1, loop_max).
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} is invalid; choose one of {', '.join(KINDS)}")
     if kind == "fixed":
         return loop_max, (min(loop_max, grad_loops) if grad_loops else None)
     z = torch.randn((), generator=generator, dtype=torch.float64).item()
-    t = min(max(round(math.exp(mu + sigma * z)), 1), loop_max)
+    if kind == "lognormal":
+        t = min(max(round(math.exp(mu + sigma * z)), 1), loop_max)
+    else:
+        tau = math.log(loop_mean) - sigma**2 / 2 + sigma * z
+        t = min(int(torch.poisson(torch.tensor(math.exp(tau), dtype=torch.float64), generator=generator)) + 1, loop_max)
     return t, (min(t, grad_loops) if grad_loops else None)
 
 
@@ -119,7 +125,7 @@ def training_depth(cfg, step, n_loops, generator):
         return n_loops, None
     fixed = cfg.loop_sampling == "fixed"
     return sample_loops(generator, cfg.loop_sampling, cfg.loop_mu, cfg.loop_sigma, n_loops if fixed else cfg.loop_max,
-                        cfg.grad_loops)
+                        cfg.loop_mean, cfg.grad_loops)
 
 
 # ---- glue for LoopLM (looplm.py) -----------------------------------------------------------

@@ -136,6 +136,12 @@ def test_stars_sample_loops_deterministic_and_exact_mean():
     # Paper B's lognormal with truncated backprop: the same depths, gradient through the last b = min(t, 4)
     assert [t for t, _ in draw(0, 200, mu=mu, sigma=sigma, grad_loops=4)] == ts[:200]
     assert all(b == min(t, 4) for t, b in draw(0, 200, mu=mu, sigma=sigma, grad_loops=4))
+    # Huginn: (t, b) with gradient through the last b = min(t, grad_loops) loops, E[t] = loop_mean + 1
+    splits = draw(1, 2000, kind="poisson_lognormal", sigma=0.5, loop_mean=32, grad_loops=8, loop_max=1000)
+    for t, b in splits:
+        assert 1 <= b <= 8 and t >= b and (t == b or b == 8)
+    assert abs(sum(t for t, _ in splits) / len(splits) / 33 - 1) < 0.05
+    assert max(t for t, _ in draw(2, 500, kind="poisson_lognormal", loop_mean=32, loop_max=40)) == 40
 
 
 @pytest.mark.parametrize("mode", ["jvp", "vjp"])
@@ -184,7 +190,7 @@ def test_stars_objective_lambda_and_bad_arguments():
     assert abs(stars.stars_objective(torch.tensor(2.0), torch.tensor(4.0), 0.1).item() - 2.2) < 1e-6
     with pytest.raises(ValueError, match="choose one of jvp, vjp"):
         stars.jsrr_penalty(lambda h: h, torch.zeros(2, 3), mode="fwd")
-    with pytest.raises(ValueError, match="choose one of fixed, lognormal"):
+    with pytest.raises(ValueError, match="choose one of fixed, lognormal, poisson_lognormal"):
         stars.sample_loops(None, kind="normal")
 
 

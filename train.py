@@ -84,11 +84,14 @@ class TrainConfig:
     beta2: float = setting(0.999, "AdamW beta2", lo=0.0, hi=0.99999)
     grad_clip: float = setting(1.0, "clip the gradient norm to this (0 = off)", lo=0.0, hi=1e6)
     # depth during training (Paper B)
-    loop_sampling: str = setting("fixed", "fixed: n_loops | lognormal: clip(round(LogNormal(mu, sigma)), 1, loop_max)",
+    loop_sampling: str = setting("fixed", "fixed: n_loops | lognormal: clip(round(LogNormal(mu, sigma)), 1, loop_max) "
+                                 "| poisson_lognormal: Huginn's, Poisson(e^τ) + 1 with E[e^τ] = loop_mean",
                                  choices=stars.KINDS)
     loop_mu: float = setting(2.0, "lognormal: mu", lo=-10.0, hi=10.0)
-    loop_sigma: float = setting(0.7, "lognormal: sigma", lo=0.0, hi=10.0)
+    loop_sigma: float = setting(0.7, "lognormal and poisson_lognormal: sigma", lo=0.0, hi=10.0)
     loop_max: int = setting(100, "the largest sampled number of loops", lo=1, hi=100_000)
+    loop_mean: float = setting(4.0, "poisson_lognormal: r̄, the mean of e^τ (the depth's mean is r̄ + 1 before "
+                                    "loop_max)", above=0.0, hi=100_000.0)
     loop_start: int = setting(0, "sample depths from this step on; before it train at n_loops (a curriculum: the shallow "
                                  "task first; Paper B: 0)", lo=0, hi=10**12)
     grad_loops: int = setting(0, "from --loop_start on, truncated backprop: gradient through the last N loops only (0: "
@@ -110,7 +113,8 @@ class TrainConfig:
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = setting("auto", "auto: bfloat16 on CUDA, float32 on CPU", choices=("auto", "float32", "bfloat16"))
     compile: bool = setting(False, "torch.compile the loop step (the STARS penalty stays eager)")
-    seed: int = setting(1337, "random seed: init, data order, dropout, sampled depths", lo=0, hi=2**32 - 1)
+    seed: int = setting(1337, "random seed: init, data order, dropout, sampled depths, STARS's direction "
+                              "(train.step_streams)", lo=0, hi=2**32 - 1)
     num_threads: int = setting(0, "CPU threads (0 = torch's default)", lo=0, hi=4096)
 
 
