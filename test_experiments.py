@@ -180,3 +180,20 @@ def test_quickstart_rows_are_the_readme_commands():
     commands = [line.split("#")[0].split(" --out_dir")[0].strip() for line in readme.splitlines()
                 if line.startswith("python train.py config/")]
     assert commands == [f"python train.py {options}" for options in quickstart.ROWS.values()]
+
+
+def test_every_number_in_the_readme_results_is_on_the_page_it_links():
+    # the README's results are the pages' numbers, copied: each decimal in a study's summary (and in the quick
+    # start's line) stands, sign and digits, on a page that summary links (the studies' pages are generated)
+    import re
+    readme = open(os.path.join(HERE, "README.md")).read()
+    start = readme.index("\n## Quick start")
+    sections = [readme[start:readme.index("\n## Tests")]] + readme.split("\n## Results")[1].split("\n### ")
+    checked = 0
+    for part in sections:
+        pages = sorted(set(re.findall(r"\(experiments/(\w+)\.md\)", part))) or ["quickstart", "paper_a", "paper_b", "depth"]
+        text = "".join(open(os.path.join(HERE, "experiments", p + ".md")).read() for p in pages)
+        for number in re.findall(r"[+-]?\d+\.\d+", part):
+            assert number in text, f"README's {number} is on none of {pages}"
+            checked += 1
+    assert checked > 40

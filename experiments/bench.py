@@ -72,7 +72,8 @@ lines.append("\n## A training step at the quick start's shape (`bench.py --shape
 lines.append("| figure | value |\n|---|---|")
 lines += [f"| {k} | {v:.3f} |" for k, v in steps["tiny"].items()]
 lines.append("\n## The thread default on a busy machine (`bench.py --busy`)\n")
-lines.append("Wall seconds of 50 steps of `config/cpu_tiny.py` (train.py, no evaluation). Default threads: torch's "
+lines.append("Wall seconds of 50 steps of `config/cpu_tiny.py` (train.py; its one evaluation cut to a batch at loop "
+             "1). Default threads: torch's "
              "(one a core). GOMP_SPINCOUNT: how long OpenMP's idle threads spin before they sleep; 300000 is libgomp's "
              "default, 3000 train.py's.\n")
 lines.append("| run | seconds |\n|---|---|")

@@ -36,30 +36,37 @@ def page(runs, args):
     col = lambda seeds, f, fmt: mr([f(rep, meta) for meta, rep in seeds.values()], fmt)
     last = lambda rep: rep["per_loop"][-1]
     ppl = lambda k: lambda rep, _: rep["per_loop"][k - 1]["ppl"]
-    cols = [("‖H_1‖ mean", lambda r, _: r["per_loop"][0]["norm_mean"], ".1f"),
-            ("‖H_K‖ mean", lambda r, _: last(r)["norm_mean"], ".1f"), ("p99", lambda r, _: last(r)["norm_p99"], ".1f"),
-            ("radial fraction", lambda r, _: last(r)["radial_fraction"], ".1e"),
-            *[(f"PPL at loop {k}", ppl(k), ".3f") for k in (1, 2, 3, 4)],
-            ("relative step at loop 4", lambda r, _: r["per_loop"][3]["relative_step"], ".1e"),
-            ("Lemma 2 slope", lambda r, _: probe_slope(r), "+.2f"),
-            ("ΔPPL 1→4", lambda r, _: r["per_loop"][3]["ppl"] - r["per_loop"][0]["ppl"], "+.3f"),
-            ("clamp ΔCE", lambda r, _: last(r)["clamp_delta_ce"], "+.4f"),
-            ("drift exponent b", lambda r, m: drift_exponent(read_log(m["out_dir"])), "+.2f")]
+    scale = [("‖H_1‖ mean", lambda r, _: r["per_loop"][0]["norm_mean"], ".1f"),
+             ("‖H_K‖ mean", lambda r, _: last(r)["norm_mean"], ".1f"), ("‖H_K‖ p99", lambda r, _: last(r)["norm_p99"], ".1f"),
+             ("drift exponent b", lambda r, m: drift_exponent(read_log(m["out_dir"])), "+.2f"),
+             ("radial fraction", lambda r, _: last(r)["radial_fraction"], ".1e"),
+             ("clamp ΔCE", lambda r, _: last(r)["clamp_delta_ce"], "+.4f")]
+    loops = [*[(f"PPL at loop {k}", ppl(k), ".3f") for k in (1, 2, 3, 4)],
+             ("ΔPPL 1→4", lambda r, _: r["per_loop"][3]["ppl"] - r["per_loop"][0]["ppl"], "+.3f"),
+             ("relative step at loop 4", lambda r, _: r["per_loop"][3]["relative_step"], ".1e"),
+             ("Lemma 2 slope", lambda r, _: probe_slope(r), "+.2f")]
     lines = ["# Paper A at CPU scale: the readout blind spot\n", study.provenance(runs, args),
-             "\nRecipes (`python train.py` options; each run adds `--seed S`):\n"]
+             "\n## Paper A's claims, seed by seed\n", *claims(runs),
+             "\n## The recipes\n", "`python train.py` options; each run adds `--seed S`. `config/ablation_cpu.py` is Paper A's "
+             "recipe at CPU scale (its init, constant LR, epochs of windows) on WikiText-2 bytes: d 128, 2 layers × 4 "
+             "loops, 600 steps. Each row switches one of the paper's ideas. Every row of one seed starts from the same "
+             "weights where the shapes agree and trains on the same windows in the same order.\n"]
     lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
-    lines.append("\nPer row the mean (min–max) over seeds. ‖H_1‖, ‖H_K‖: per-token L2 norm at the first and the last "
-                 "loop over the validation bytes; PPL per byte, Paper A's early-exit curve (loop k read out in the 4-loop run); drift exponent b: "
-                 "the slope of log ‖H_K‖ against log step over the second half of training; relative step at loop 4: "
-                 "‖H_4 − H_3‖ / ‖H_3‖ per token, averaged (`looplm.relative_step`), which bounds how far loop 4 "
-                 "turns the state's direction (Lemma 2); Lemma 2 slope: loop 4 run from its input rescaled, s·H_3 for s from "
-                 "1/64 to 64 (`looplm.scale_probe`), the log-log slope of its relative step against s (Lemma 2: −1).\n")
-    lines.append("| run | seeds | " + " | ".join(c[0] for c in cols) + " |\n|---|---|" + "---|" * len(cols))
-    for name, seeds in runs.items():
-        lines.append(f"| {name} | {len(seeds)} | " + " | ".join(col(seeds, f, fmt) for _, f, fmt in cols) + " |")
-    # Paper A's claims, counted seed by seed over the seeds both rows ran
-    lines.append("\n## Paper A's claims, seed by seed\n")
-    lines += claims(runs)
+    tables = (("The state's scale", "‖H_1‖, ‖H_K‖: per-token L2 norm at the first and the last loop over the "
+               "validation bytes; drift exponent b: the slope of log ‖H_K‖ against log step over the second half of "
+               "training (0: flat, 1: linear growth); radial fraction: |⟨∇CE_K, H_K⟩|/(‖∇CE_K‖·‖H_K‖) through loop K's "
+               "own readout (`looplm.radial_fraction`; Lemma 1: 0 through RMSNorm); clamp ΔCE: CE with every loop's "
+               "state rescaled to its loop-1 RMS, minus CE (≈ 0: the scale carried no information).", scale),
+              ("What the loops do", "PPL per byte at loop k: Paper A's early-exit curve (loop k read out in the 4-loop "
+               "run). Relative step at loop 4: ‖H_4 − H_3‖/‖H_3‖ per token, averaged (`looplm.relative_step`), which "
+               "bounds how far loop 4 turns the state's direction (Lemma 2). Lemma 2 slope: loop 4 run from its input "
+               "rescaled, s·H_3 for s from 1/64 to 64 (`looplm.scale_probe`), the log-log slope of its relative step "
+               "against s (Lemma 2: −1).", loops))
+    for title, what, cols in tables:
+        lines.append(f"\n## {title}: mean (min–max) over seeds\n\n{what}\n")
+        lines.append("| run | seeds | " + " | ".join(c[0] for c in cols) + " |\n|---|---|" + "---|" * len(cols))
+        for name, seeds in runs.items():
+            lines.append(f"| {name} | {len(seeds)} | " + " | ".join(col(seeds, f, fmt) for _, f, fmt in cols) + " |")
     fig, ax = plt.subplots(1, 3, figsize=(15, 3.8))
     curves = []  # the PPL axis: linear, to 1.25x the worst PPL at K (a terminal row's loop 1 runs off it)
     for name, seeds in runs.items():

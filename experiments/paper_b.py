@@ -40,8 +40,8 @@ def page(runs, args):
     pct = lambda v: study.mean_range([v], ".1f", 100)  # one seed's value in %, "n/a" if its report lacks it
     n_test = next(iter(next(iter(runs.values())).values()))[1]["config"]["eval_problems"]
     K = next(iter(next(iter(runs.values())).values()))[1]["config"]["n_loops"]
-    lines = ["# Paper B at CPU scale: addition at every depth\n", study.provenance(runs, args)]
-    lines.append("\nRecipes (`python train.py` options; each run adds `--seed S`):\n")
+    lines = ["# Paper B at CPU scale: addition at every depth\n", study.provenance(runs, args), *holds(runs, depths, K)]
+    lines.append("\n## The recipes\n\n`python train.py` options; each run adds `--seed S`.\n")
     lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
     lines.append("\nA seed fixes the initial weights and the problems (`train.step_streams`: each random stream has its "
                  "own generator): every recipe of one seed trains on the same problems in the same order, but "
@@ -87,25 +87,6 @@ def page(runs, args):
             lines.append(f"| {name} | {seed} | " + " | ".join(pct(acc(rep, k)) for k in (K, 64, 100) if k in depths)
                          + f" | {out if out is not None else 'never'} |" + (f" {dcells} |" if has_pos else "")
                          + f" {meta.get('wall_s', 0) / 60:.1f} |")
-    # what holds on how many seeds: counted, not typed
-    n = lambda seeds, ok: f"{sum(ok(rep) for _, rep in seeds.values())} of {len(seeds)}"
-    lines.append("\n## What holds on how many seeds\n")
-    for name, seeds in runs.items():
-        lines.append(f"- `{name}`: ≥ 99% at its {K} loops on {n(seeds, lambda r: acc(r, K) >= 0.99)} seeds; "
-                     f"≥ 99% at every depth from 2 to {max(k for k in depths if k <= 64)} on "
-                     f"{n(seeds, lambda r: all(acc(r, k) >= 0.99 for k in range(2, min(64, depths[-1]) + 1)))}; "
-                     f"below 10% at every depth from 16 loops on: {n(seeds, lambda r: all(acc(r, k) < 0.1 for k in depths if k >= 16))}"
-                     + (f"; ρ < 1 at 64 loops: {n(seeds, lambda r: (rho(r, 64) or 1) < 1)}" if 64 in deep else "") + ".")
-    for new, old in (("stars", "sampling"), ("stars_supervised", "stars")):  # a recipe against the one it extends
-        for k in (64, 100) if {new, old} <= runs.keys() else ():
-            if k in depths:
-                both = [s for s in runs[new] if s in runs[old]]
-                if not both:
-                    continue
-                m = {name: sum(acc(runs[name][s][1], k) for s in both) / len(both) for name in (new, old)}
-                wins = sum(acc(runs[new][s][1], k) > acc(runs[old][s][1], k) for s in both)
-                lines.append(f"- at {k} loops, `{new}` {100 * m[new]:.1f}% against `{old}` {100 * m[old]:.1f}% "
-                             f"on the mean of the {len(both)} seeds both ran; higher on {wins} of them.")
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, seeds in runs.items():
         ks = sorted(int(k) for k in next(iter(seeds.values()))[1]["addition"]["accuracy"])
@@ -117,6 +98,29 @@ def page(runs, args):
     png = study.savefig(fig, args, "accuracy")
     lines.insert(2, f"\n![strict exact match against loops: seed mean, band min–max]({png})\n")
     return "\n".join(lines) + "\n", [png]
+
+
+def holds(runs, depths, K):
+    """What holds on how many seeds, counted from the reports: per recipe, then a recipe against the one it extends."""
+    acc = lambda rep, k: rep["addition"]["accuracy"].get(str(k))
+    rho = lambda rep, k: rep["addition"].get("spectral_radius_answer", {}).get(str(k))  # at the answer positions
+    n = lambda seeds, ok: f"{sum(ok(rep) for _, rep in seeds.values())} of {len(seeds)}"
+    lines = ["\n## What holds on how many seeds\n"]
+    for name, seeds in runs.items():
+        lines.append(f"- `{name}`: ≥ 99% at its {K} loops on {n(seeds, lambda r: acc(r, K) >= 0.99)} seeds; "
+                     f"≥ 99% at every depth from 2 to {max(k for k in depths if k <= 64)} on "
+                     f"{n(seeds, lambda r: all(acc(r, k) >= 0.99 for k in range(2, min(64, depths[-1]) + 1)))}; "
+                     f"below 10% at every depth from 16 loops on: {n(seeds, lambda r: all(acc(r, k) < 0.1 for k in depths if k >= 16))}"
+                     + (f"; ρ < 1 at 64 loops: {n(seeds, lambda r: (rho(r, 64) or 1) < 1)}" if 64 in depths else "") + ".")
+    for new, old in (("stars", "sampling"), ("stars_supervised", "stars")):  # a recipe against the one it extends
+        for k in (64, 100) if {new, old} <= runs.keys() else ():
+            both = [s for s in runs[new] if s in runs[old]]
+            if k in depths and both:
+                m = {name: sum(acc(runs[name][s][1], k) for s in both) / len(both) for name in (new, old)}
+                wins = sum(acc(runs[new][s][1], k) > acc(runs[old][s][1], k) for s in both)
+                lines.append(f"- at {k} loops, `{new}` {100 * m[new]:.1f}% against `{old}` {100 * m[old]:.1f}% "
+                             f"on the mean of the {len(both)} seeds both ran; higher on {wins} of them.")
+    return lines
 
 
 if __name__ == "__main__":
