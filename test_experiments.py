@@ -182,6 +182,14 @@ def test_quickstart_rows_are_the_readme_commands():
     assert commands == [f"python train.py {options}" for options in quickstart.ROWS.values()]
 
 
+def test_the_readme_is_a_guide_of_at_most_20_kb_and_its_links_resolve():
+    import re
+    readme = open(os.path.join(HERE, "README.md"), "rb").read()
+    assert len(readme) <= 20 * 1024, f"README.md is {len(readme)} bytes: the detail belongs on a study page"
+    for link in re.findall(r"\]\(([^)#]+)\)", readme.decode()):
+        assert os.path.exists(os.path.join(HERE, link)), f"README links {link}, which does not exist"
+
+
 def test_every_number_in_the_readme_results_is_on_the_page_it_links():
     # the README's results are the pages' numbers, copied: each decimal in a study's summary (and in the quick
     # start's line) stands, sign and digits, on a page that summary links (the studies' pages are generated)
