@@ -135,7 +135,9 @@ def claims(runs):
     if pre:
         out.append(f"- Lemma 2, probed: rescaling loop 4's input by s from 1/64 to 64 moves its relative step with log-log "
                    f"slope {min(pre):+.2f} to {max(pre):+.2f} over the {len(pre)} runs without `loop_norm` (Lemma 2: −1)"
-                   + (f"; with it (the next loop reads RMSNorm(s·H)), {min(ln):+.2f} to {max(ln):+.2f}." if ln else "."))
+                   + (f"; with it, {min(ln):+.2f} to {max(ln):+.2f}: the next loop reads RMSNorm(s·H), so its output "
+                      "does not depend on s and the step relative to s·H is about 1/s below the trained scale and about "
+                      "1 above it, a V that a line fits with slope −1/2." if ln else "."))
     blind = [at(r, s)["radial_fraction"] for r in runs if "raw" not in r for s in runs[r]]
     seen = [at(r, s)["radial_fraction"] for r in runs if "raw" in r for s in runs[r]]
     if blind and seen:
