@@ -75,7 +75,8 @@ def test_depth_page_shows_the_runs_and_names_the_rows_not_run(tmp_path):
         rows = [{"ce": ce4 + 0.01 * (k > 4), "norm_mean": 10.0, "relative_step": 1e-3,
                  "spectral_radius": rho.get(k, (None, None))[0], "spectral_radius_off_state": rho.get(k, (None, None))[1]}
                 for k in range(1, 65)]
-        meta = {"commit": "abc1234", "machine": "test", "wall_s": 60.0, "date": "2026-12-03T00:00:00"}
+        meta = {"commit": "abc1234", "machine": "test", "wall_s": 60.0, "date": "2026-12-03T00:00:00",
+                "argv": ["config/depth_cpu.py", "--seed", "1"]}
         return meta, {"config": {"n_loops": 4, "max_iters": 600}, "per_loop": rows}
     runs = {"baseline": {1: run(2.0, {8: (1.3, 0.9), 32: (1.05, 0.95), 64: (0.88, 0.97)}),
                          2: run(2.2, {8: (1.1, 0.8), 32: (1.01, 0.9), 64: (1.02, 0.99)})}}
@@ -83,6 +84,7 @@ def test_depth_page_shows_the_runs_and_names_the_rows_not_run(tmp_path):
                               device="cpu")
     text, pngs = depth.page(runs, args)
     assert "| 2.100 (2.000–2.200) |" in text and "| +0.010 (+0.010–+0.010) |" in text
+    assert "`python train.py config/depth_cpu.py --seed 1`" in text  # the runs' own command, from run.json
     # ρ from the reports: all directions, then off the state's direction
     assert ("| baseline | 1.200 (1.100–1.300) | 1.030 (1.010–1.050) | 0.950 (0.880–1.020) | 0.850 (0.800–0.900) "
             "| 0.925 (0.900–0.950) | 0.980 (0.970–0.990) |") in text

@@ -280,6 +280,9 @@ def provenance(runs, args):
              f"{threads if args.device == 'cpu' else 'on ' + args.device}. A run took {min(walls):.1f} to {max(walls):.1f} "
              f"minutes; all runs {sum(walls) / 60:.1f} hours" +
              (f" (about {sum(walls) / 60 / args.jobs:.1f} at {args.jobs} at once)." if args.jobs > 1 else "."),
+             f"- **A run's command,** from its run.json (the first; the others differ in row and seed): `python "
+             f"train.py {shlex.join(metas[0]['argv'])}`. One row and seed again: `python experiments/{args.study}.py "
+             f"--rows ROW --seeds S --runs DIR`.",
              "- **Settings:** every run's recorded settings are those its command, presets included, resolves to "
              "here (`study.settings_changed`).",
              f"- **Code since the runs:** the Python that trains and evaluates ({', '.join(TRAINING_CODE)}) "
