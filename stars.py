@@ -10,6 +10,7 @@ makes ρ(J) < 1 part of the training loss:
 
     L = (1 − λ)·L_task + λ·‖Jv‖²        v ~ N(0, I) normalized, at the last loop's state
 
+(The default mode, "vjp", computes ‖vᵀJ‖² instead: the same in expectation; see jsrr_penalty.)
 Here ‖Jv‖ is one step of power iteration from a random direction, which the paper writes as
 ρ(J) ≈ ‖Jv‖. What it measures is E‖Jv‖² = ‖J‖_F²/n, the mean squared singular value of J
 (n = T·C per sample): pushing it down pulls the spectrum down on average, but it neither bounds
