@@ -38,6 +38,7 @@ def page(runs, args):
     ppl = lambda k: lambda rep, _: rep["per_loop"][k - 1]["ppl"]
     scale = [("‖H_1‖ mean", lambda r, _: r["per_loop"][0]["norm_mean"], ".1f"),
              ("‖H_K‖ mean", lambda r, _: last(r)["norm_mean"], ".1f"), ("‖H_K‖ p99", lambda r, _: last(r)["norm_p99"], ".1f"),
+             ("log ‖H_K‖ at 10%", lambda r, m: logged_norm(m, 0.1), ".1f"), ("at the end", lambda r, m: logged_norm(m, 1), ".1f"),
              ("drift exponent b", lambda r, m: drift_exponent(read_log(m["out_dir"])), "+.2f"),
              ("radial fraction", lambda r, _: last(r)["radial_fraction"], ".1e"),
              ("clamp ΔCE", lambda r, _: last(r)["clamp_delta_ce"], "+.4f")]
@@ -53,7 +54,8 @@ def page(runs, args):
              "weights where the shapes agree and trains on the same windows in the same order.\n"]
     lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
     tables = (("The state's scale", "‖H_1‖, ‖H_K‖: per-token L2 norm at the first and the last loop over the "
-               "validation bytes; drift exponent b: the slope of log ‖H_K‖ against log step over the second half of "
+               "validation bytes; log ‖H_K‖: the training batch's, from log.jsonl, at the first step logged from 10% of "
+               "training on, and at the last; drift exponent b: the slope of log ‖H_K‖ against log step over the second half of "
                "training (0: flat, 1: linear growth); radial fraction: |⟨∇CE_K, H_K⟩|/(‖∇CE_K‖·‖H_K‖) through loop K's "
                "own readout (`looplm.radial_fraction`; Lemma 1: 0 through RMSNorm); clamp ΔCE: CE with every loop's "
                "state rescaled to its loop-1 RMS, minus CE (≈ 0: the scale carried no information).", scale),
@@ -91,6 +93,13 @@ def page(runs, args):
     return "\n".join(lines) + "\n", [png]
 
 
+def logged_norm(meta, frac):
+    """‖H_K‖ of the training batch in the run's log at the first logged step ≥ frac of its last one."""
+    from checkpoint import read_log
+    rows = [r for r in read_log(meta["out_dir"]) if "norm_K" in r]
+    return next(r["norm_K"] for r in rows if r["iter"] >= frac * rows[-1]["iter"])
+
+
 def probe_slope(rep):
     """The log-log slope of loop 4's relative step against the scale s of its input (Lemma 2: −1)."""
     return float(np.polyfit(np.log(SCALES), np.log(rep["per_loop"][3]["scale_probe"]), 1)[0])
@@ -98,6 +107,8 @@ def probe_slope(rep):
 
 def claims(runs):
     """Each of Paper A's claims as one line: the seed mean (min–max) and on how many seeds it holds."""
+    from checkpoint import read_log
+    from report import drift_exponent
     mr = study.mean_range
     both = lambda a, b: [s for s in runs.get(a, {}) if s in runs.get(b, {})]
     at = lambda row, s, k=4: runs[row][s][1]["per_loop"][k - 1]
@@ -112,6 +123,15 @@ def claims(runs):
             out.append(f"- {what}: per-loop `norm` ends at ‖H_K‖ {mr([at(norm, s)['norm_mean'] for s in seeds])}, "
                        f"`raw` at {mr([at(raw, s)['norm_mean'] for s in seeds])}: {mr(ratio, '.0f')}x; larger on "
                        f"{sum(r > 1 for r in ratio)} of {len(seeds)} seeds{paper}.")
+    for row, paper in (("norm-perloop", " (Paper A: a drift to 39,207)"), ("norm-terminal", "")):
+        seeds = runs.get(row, {})
+        if seeds:
+            b = [drift_exponent(read_log(m["out_dir"])) for m, _ in seeds.values()]
+            out.append(f"- Growth over training, `{row}`: ‖H_K‖ of the training batch is "
+                       f"{mr([logged_norm(m, 0.1) for m, _ in seeds.values()])} at 10% of training and "
+                       f"{mr([logged_norm(m, 1) for m, _ in seeds.values()])} at the end; drift exponent over the second "
+                       f"half {mr(b, '+.2f')}, still growing (b > 0.1) on {sum(x > 0.1 for x in b)} of {len(b)} seeds"
+                       f"{paper}.")
     seeds = both("norm-perloop", "norm-perloop-penalty")
     if seeds:
         ratio = [at("norm-perloop", s)["norm_mean"] / at("norm-perloop-penalty", s)["norm_mean"] for s in seeds]
@@ -144,15 +164,17 @@ def claims(runs):
         out.append(f"- Radial blindness: radial fraction {min(blind):.1e} to {max(blind):.1e} for all {len(blind)} runs read "
                    f"out through RMSNorm, {min(seen):.1e} to {max(seen):.1e} for the {len(seen)} `raw` runs "
                    "(Paper A: 1e-9 to 1e-8, ~1e-2).")
-    for fix in ("raw-perloop", "final_norm-perloop", "norm-perloop-penalty", "norm-perloop-loop_norm"):
-        seeds = both("norm-perloop", fix)
+    for fix, base in (("raw-perloop", "norm-perloop"), ("final_norm-perloop", "norm-perloop"),
+                      ("norm-perloop-penalty", "norm-perloop"), ("norm-perloop-loop_norm", "norm-perloop"),
+                      ("raw-terminal", "norm-terminal")):
+        seeds = both(base, fix)
         if seeds:
-            more = sum(gain(fix, s) < gain("norm-perloop", s) for s in seeds)
-            better = sum(at(fix, s)["ppl"] < at("norm-perloop", s)["ppl"] for s in seeds)
-            out.append(f"- `{fix}`: ΔPPL 1→4 {mr([gain(fix, s) for s in seeds], '+.3f')} against `norm-perloop`'s "
-                       f"{mr([gain('norm-perloop', s) for s in seeds], '+.3f')}: gains more from its loops on {more} of "
+            more = sum(gain(fix, s) < gain(base, s) for s in seeds)
+            better = sum(at(fix, s)["ppl"] < at(base, s)["ppl"] for s in seeds)
+            out.append(f"- `{fix}`: ΔPPL 1→4 {mr([gain(fix, s) for s in seeds], '+.3f')} against `{base}`'s "
+                       f"{mr([gain(base, s) for s in seeds], '+.3f')}: gains more from its loops on {more} of "
                        f"{len(seeds)} seeds; lower PPL at K = 4 ({mr([at(fix, s)['ppl'] for s in seeds], '.3f')} against "
-                       f"{mr([at('norm-perloop', s)['ppl'] for s in seeds], '.3f')}) on {better} of {len(seeds)}.")
+                       f"{mr([at(base, s)['ppl'] for s in seeds], '.3f')}) on {better} of {len(seeds)}.")
     # (with loop_norm the next loop sees RMSNorm(H_k) whatever H_k's scale, so the clamp changes nothing: 0 by construction)
     clamp = [at(r, s)["clamp_delta_ce"] for r in runs if "perloop" in r and "raw" not in r and "loop_norm" not in r
              for s in runs[r]]

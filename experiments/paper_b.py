@@ -40,7 +40,8 @@ def page(runs, args):
     pct = lambda v: study.mean_range([v], ".1f", 100)  # one seed's value in %, "n/a" if its report lacks it
     n_test = next(iter(next(iter(runs.values())).values()))[1]["config"]["eval_problems"]
     K = next(iter(next(iter(runs.values())).values()))[1]["config"]["n_loops"]
-    lines = ["# Paper B at CPU scale: addition at every depth\n", study.provenance(runs, args), *holds(runs, depths, K)]
+    lines = ["# Paper B at CPU scale: addition at every depth\n", study.provenance(runs, args), *holds(runs, depths, K),
+             *shared_start(runs)]
     lines.append("\n## The recipes\n\n`python train.py` options; each run adds `--seed S`.\n")
     lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
     lines.append("\nA seed fixes the initial weights and the problems (`train.step_streams`: each random stream has its "
@@ -62,14 +63,16 @@ def page(runs, args):
                      "Jacobian block lower-triangular over positions, so its eigenvalues are those of each position's "
                      "own block): the largest over the answer positions, the ones that decide the output, averaged over "
                      "16 held-out problems. Below 1 the loop settles on a fixed point there. The relative step: at the "
-                     "answer positions, over every held-out problem.\n")
+                     "answer positions, over every held-out problem. ‖vᵀJ‖: the penalty's own estimate, from log.jsonl "
+                     "(mean over the last 10% of steps, at each step's sampled depth): what the penalty sees, beside ρ.\n")
         lines.append("| recipe | " + " | ".join(f"ρ at {k}" for k in deep) + " | "
-                     + " | ".join(f"relative step at {k}" for k in deep) + " |")
-        lines.append("|---|" + "---|" * 2 * len(deep))
+                     + " | ".join(f"relative step at {k}" for k in deep) + " | ‖vᵀJ‖ in training |")
+        lines.append("|---|" + "---|" * (2 * len(deep) + 1))
     for name, seeds in (runs.items() if deep else ()):
         reps = [rep["addition"] for _, rep in seeds.values()]
         lines.append(f"| {name} | " + " | ".join(mr([rho(rep, k) for _, rep in seeds.values()], ".3f") for k in deep)
-                     + " | " + " | ".join(mr([a.get("relative_step", {}).get(str(k)) for a in reps], ".1e") for k in deep) + " |")
+                     + " | " + " | ".join(mr([a.get("relative_step", {}).get(str(k)) for a in reps], ".1e") for k in deep)
+                     + f" | {mr([logged_jv(meta) for meta, _ in seeds.values()], '.2f') if 'stars' in name else '—'} |")
     lines.append(f"\n## Each seed: strict exact match (%) at {K}, 64 and 100 loops; when it left the plateau\n")
     lines.append("On the loss plateau the model gets the space and the last answer position right and every other digit "
                  "at chance. \"left\" is the first evaluation with ≥ 50% strict exact match at the trained depth.\n")
@@ -98,6 +101,31 @@ def page(runs, args):
     png = study.savefig(fig, args, "accuracy")
     lines.insert(2, f"\n![strict exact match against loops: seed mean, band min–max]({png})\n")
     return "\n".join(lines) + "\n", [png]
+
+
+def logged_jv(meta):
+    """The penalty's ‖vᵀJ‖ in the run's log, averaged over the last 10% of its steps (None: not logged)."""
+    from checkpoint import read_log
+    rows = [r for r in read_log(meta["out_dir"]) if "jv_norm" in r]
+    last = [r["jv_norm"] for r in rows if rows and r["iter"] > 0.9 * rows[-1]["iter"]]
+    return sum(last) / len(last) if last else None
+
+
+def shared_start(runs, base="baseline"):
+    """The first logged step where each recipe's loss differs from the baseline's, seed by seed: until then it is the
+    same run (same weights, problems and dropout), so the recipes of one seed branch from one model."""
+    from checkpoint import read_log
+    losses = lambda meta: {r["iter"]: r["loss"] for r in read_log(meta["out_dir"]) if "loss" in r}
+    parts = []
+    for name, seeds in runs.items():
+        both = [s for s in seeds if name != base and s in runs.get(base, {})]
+        split = [next((i for i in sorted(theirs) if mine.get(i) != theirs[i]), None)
+                 for mine, theirs in ((losses(seeds[s][0]), losses(runs[base][s][0])) for s in both)]
+        if split and None not in split:
+            parts.append(f"`{name}` at step {min(split)}" + (f"–{max(split)}" if max(split) != min(split) else "")
+                         + f" ({len(split)} of {len(split)} seeds)")
+    return [f"- The first logged loss that differs from `{base}`'s: {'; '.join(parts)}. Until then a recipe is the same "
+            "run as the baseline: the recipes that split late branch from one model, so their comparison is paired."] if parts else []
 
 
 def holds(runs, depths, K):
