@@ -18,15 +18,20 @@ def test_mean_range_is_the_mean_and_the_extremes_of_the_seeds():
     assert study.mean_range([0.5, None]) == "n/a"  # a seed that lacks the value: no mean of the others
 
 
-def test_paper_a_claims_count_the_seeds_each_claim_holds_on():
+def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
+    import json
     import paper_a
 
-    def run(norm, ppl1, ppl4, radial=1e-8, clamp=0.001):
+    def run(norm, ppl1, ppl4, radial=1e-8, clamp=0.001, b=0.0):
         rows = [{"k": k, "ppl": ppl1 + (ppl4 - ppl1) * (k - 1) / 3, "norm_mean": norm, "radial_fraction": radial,
                  "clamp_delta_ce": clamp, "relative_step": 0.1 / norm ** 0.5,
                  "scale_probe": [0.1 / (norm * s ** (0.5 if ppl1 > 10 else 1)) for s in paper_a.SCALES]} for k in (1, 2, 3, 4)]
-        return {}, {"per_loop": rows}
-    runs = {"norm-perloop": {1: run(900.0, 9.0, 9.0), 2: run(700.0, 9.0, 9.1), 3: run(5.0, 9.0, 9.0)},
+        out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        out.mkdir()  # its training log: ‖H_K‖ = norm · (step/100)^b, so the drift exponent is b
+        (out / "log.jsonl").write_text("".join(json.dumps({"iter": i, "norm_K": norm * (i / 100) ** b}) + "\n"
+                                               for i in range(10, 101, 10)))
+        return {"out_dir": str(out)}, {"per_loop": rows}
+    runs = {"norm-perloop": {1: run(900.0, 9.0, 9.0, b=0.5), 2: run(700.0, 9.0, 9.1), 3: run(5.0, 9.0, 9.0)},
             "raw-perloop": {1: run(7.0, 11.0, 8.5, 2e-2, 0.1), 2: run(8.0, 11.0, 9.5, 3e-2, 0.1),
                             3: run(9.0, 11.0, 8.0, 1e-2, 0.1)}}
     lines = paper_a.claims(runs)
@@ -43,6 +48,10 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on():
     assert "slope -1.00 to -0.50 over the 6 runs without `loop_norm`" in probed  # raw's probe falls as 1/sqrt(s)
     radial = next(line for line in lines if line.startswith("- Radial"))
     assert "1.0e-08 to 1.0e-08 for all 3 runs" in radial and "1.0e-02 to 3.0e-02 for the 3 `raw` runs" in radial
+    grows = next(line for line in lines if line.startswith("- Growth over training, `norm-perloop`"))
+    # seed 1 grows as √step: 900 at the end, 900·√0.1 = 284.6 at step 10; the others are flat
+    assert "is 329.9 (5.0–700.0) at 10% of training and 535.0 (5.0–900.0) at the end" in grows
+    assert "half +0.17 (" in grows and "+0.50), still growing (b > 0.1) on 1 of 3 seeds" in grows
     assert not any("penalty" in line for line in lines)  # a claim whose rows did not run is left out
 
 
@@ -126,6 +135,25 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
     third = subprocess.run(elsewhere, cwd=tmp_path, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
     assert third.returncode == 0 and "its settings changed since it ran (learning_rate 0.5 then, 0.001 now)" in third.stdout
     assert json.load(open(rep_path))["config"]["learning_rate"] == 0.001
+
+
+def test_paper_b_finds_where_each_recipe_splits_from_the_baseline_and_the_logged_penalty(tmp_path):
+    import paper_b
+
+    def run(name, seed, losses, jv=None):
+        out = tmp_path / name / str(seed)
+        out.mkdir(parents=True)
+        out.joinpath("log.jsonl").write_text("".join(json.dumps({"iter": 10 * (i + 1), "loss": v, **(
+            {"jv_norm": jv[i]} if jv else {})}) + "\n" for i, v in enumerate(losses)))
+        return {"out_dir": str(out)}, {}
+    base = [3.0, 2.0, 1.0, 0.5]
+    runs = {"baseline": {1: run("baseline", 1, base), 2: run("baseline", 2, base)},
+            "stars": {1: run("stars", 1, [3.0, 2.0, 0.9, 0.4], jv=[0.1, 0.2, 0.3, 0.8]),
+                      2: run("stars", 2, [3.0, 2.0, 1.0, 0.4], jv=[0.1, 0.2, 0.3, 0.6])}}
+    line, = paper_b.shared_start(runs)
+    assert "`stars` at step 30–40 (2 of 2 seeds)" in line  # seed 1 splits at its third log, seed 2 at its fourth
+    assert paper_b.logged_jv(runs["stars"][1][0]) == pytest.approx(0.8)  # the last 10% of steps: step 40 only
+    assert paper_b.logged_jv(runs["baseline"][1][0]) is None
 
 
 def test_code_since_tells_code_from_comments_and_docstrings(tmp_path, monkeypatch):
