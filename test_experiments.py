@@ -52,6 +52,8 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
     # seed 1 grows as √step: 900 at the end, 900·√0.1 = 284.6 at step 10; the others are flat
     assert "is 329.9 (5.0–700.0) at 10% of training and 535.0 (5.0–900.0) at the end" in grows
     assert "half +0.17 (" in grows and "+0.50), still growing (b > 0.1) on 1 of 3 seeds" in grows
+    flat = next(line for line in lines if line.startswith("- Flat loops"))
+    assert "(ΔPPL 1→4 > -0.1) in 3 of 3 runs" in flat  # raw-perloop's gains are not counted: it reads the scale
     assert not any("penalty" in line for line in lines)  # a claim whose rows did not run is left out
 
 

@@ -158,6 +158,13 @@ def claims(runs):
                    + (f"; with it, {min(ln):+.2f} to {max(ln):+.2f}: the next loop reads RMSNorm(s·H), so its output "
                       "does not depend on s and the step relative to s·H is about 1/s below the trained scale and about "
                       "1 above it, a V that a line fits with slope −1/2." if ln else "."))
+    flat = [(r, s) for r in runs if r.startswith(("norm-perloop", "nanogpt-norm-perloop")) for s in runs[r]]  # norm, per-loop
+    if flat:
+        scale = {r: sum(at(r, s)["norm_mean"] for s in runs[r]) / len(runs[r]) for r, _ in flat}
+        lo, hi = min(scale, key=scale.get), max(scale, key=scale.get)
+        out.append(f"- Flat loops at every scale: with the norm readout and per-loop CE, loops 1→4 gain less than 0.1 PPL "
+                   f"(ΔPPL 1→4 > -0.1) in {sum(gain(r, s) > -0.1 for r, s in flat)} of {len(flat)} runs, whose ‖H_K‖ "
+                   f"runs from {scale[lo]:.1f} (`{lo}`) to {scale[hi]:.1f} (`{hi}`), seed means.")
     blind = [at(r, s)["radial_fraction"] for r in runs if "raw" not in r for s in runs[r]]
     seen = [at(r, s)["radial_fraction"] for r in runs if "raw" in r for s in runs[r]]
     if blind and seen:
