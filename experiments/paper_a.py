@@ -175,7 +175,7 @@ def claims(runs):
                    "(Paper A: 1e-9 to 1e-8, ~1e-2).")
     for fix, base in (("raw-perloop", "norm-perloop"), ("final_norm-perloop", "norm-perloop"),
                       ("norm-perloop-penalty", "norm-perloop"), ("norm-perloop-loop_norm", "norm-perloop"),
-                      ("raw-terminal", "norm-terminal")):
+                      ("raw-terminal", "norm-terminal"), ("nanogpt-norm-perloop", "norm-perloop")):
         seeds = both(base, fix)
         if seeds:
             more = sum(gain(fix, s) < gain(base, s) for s in seeds)
