@@ -1,6 +1,6 @@
 # The quick start: a looped LM on real text on 2 CPU cores, no download. With the default (Paper A's) init,
 # per-loop CE and the norm readout, ‖H_K‖ jumps early in training far above the raw readout's (then
-# settles; experiments/quickstart.md): the blind spot's scale gap. --readout raw, the first fix, side by side
+# settles; its log.jsonl): the blind spot's scale gap. --readout raw, the first fix, side by side
 # (one seed: whether it is also the better model is the Paper A study's question, experiments/paper_a.md):
 # python train.py config/cpu_tiny.py
 # python train.py config/cpu_tiny.py --readout raw --out_dir out-cpu-tiny-raw

@@ -56,8 +56,8 @@ def rho_table(runs):
              "direction has an eigenvalue near 1 (a branch reads N(H), blind to its scale): the scale the loop "
              "carries, which a norm readout does not see. **Off the state**: each block with that direction projected "
              "out, the directions a readout sees; where the two columns agree, the largest eigenvalue is not the "
-             "state's own. Below 1, nearby states are drawn together at the measured state: the loop contracts "
-             "there (it has settled only where the relative step also goes to 0).\n"]
+             "state's own. Below 1, small perturbations shrink under repeated loops near the measured state (it "
+             "has settled only where the relative step also goes to 0).\n"]
     head = " | ".join(f"at {k}" for k in RHO_AT)
     lines.append(f"| recipe | all directions: {head} | off the state: {head} |\n|---|" + "---|" * 2 * len(RHO_AT))
     for name, seeds in runs.items():

@@ -50,7 +50,7 @@ def page(runs, args):
         out = open(os.path.join(next(iter(seeds.values()))[0]["out_dir"], "train.out")).read()
         if "sample: " in out:
             lines.append(f"- `{name}`'s end-of-run sample: \"{' '.join(out.rsplit('sample: ', 1)[1].split())[:80]}\"")
-    # the plots: the README's own images (assets/) for this page, else beside the page
+    # the plots: in assets/, the repository's images, for this page; beside the page otherwise
     figdir = os.path.join(study.ROOT, "assets") if args.out == HERE and not args.quick else args.out
     lines.append("")
     for group in ([n for n in runs if "addition" not in n], [n for n in runs if "addition" in n]):
