@@ -38,7 +38,7 @@ def page(runs, args):
     ppl = lambda k: lambda rep, _: rep["per_loop"][k - 1]["ppl"]
     scale = [("‖H_1‖ mean", lambda r, _: r["per_loop"][0]["norm_mean"], ".1f"),
              ("‖H_K‖ mean", lambda r, _: last(r)["norm_mean"], ".1f"), ("‖H_K‖ p99", lambda r, _: last(r)["norm_p99"], ".1f"),
-             ("log ‖H_K‖ at 10%", lambda r, m: logged_norm(m, 0.1), ".1f"), ("at the end", lambda r, m: logged_norm(m, 1), ".1f"),
+             ("logged ‖H_K‖ at 10%", lambda r, m: logged_norm(m, 0.1), ".1f"), ("at the end", lambda r, m: logged_norm(m, 1), ".1f"),
              ("drift exponent b", lambda r, m: drift_exponent(read_log(m["out_dir"])), "+.2f"),
              ("radial fraction", lambda r, _: last(r)["radial_fraction"], ".1e"),
              ("clamp ΔCE", lambda r, _: last(r)["clamp_delta_ce"], "+.4f")]
@@ -54,7 +54,7 @@ def page(runs, args):
              "weights where the shapes agree and trains on the same windows in the same order.\n"]
     lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
     tables = (("The state's scale", "‖H_1‖, ‖H_K‖: per-token L2 norm at the first and the last loop over the "
-               "validation bytes; log ‖H_K‖: the training batch's, from log.jsonl, at the first step logged from 10% of "
+               "validation bytes; logged ‖H_K‖: the training batch's, from log.jsonl, at the first step logged from 10% of "
                "training on, and at the last; drift exponent b: the slope of log ‖H_K‖ against log step over the second half of "
                "training (0: flat, 1: linear growth); radial fraction: |⟨∇CE_K, H_K⟩|/(‖∇CE_K‖·‖H_K‖) through loop K's "
                "own readout (`looplm.radial_fraction`; Lemma 1: 0 through RMSNorm); clamp ΔCE: CE with every loop's "
@@ -97,7 +97,7 @@ def logged_norm(meta, frac):
     """‖H_K‖ of the training batch in the run's log at the first logged step ≥ frac of its last one."""
     from checkpoint import read_log
     rows = [r for r in read_log(meta["out_dir"]) if "norm_K" in r]
-    return next(r["norm_K"] for r in rows if r["iter"] >= frac * rows[-1]["iter"])
+    return next(r["norm_K"] for r in rows if r["iter"] >= frac * rows[-1]["iter"]) if rows else None
 
 
 def probe_slope(rep):
@@ -132,7 +132,7 @@ def claims(runs):
             out.append(f"- Growth over training, `{row}`: ‖H_K‖ of the training batch is "
                        f"{mr([logged_norm(m, 0.1) for m, _ in seeds.values()])} at 10% of training and "
                        f"{mr([logged_norm(m, 1) for m, _ in seeds.values()])} at the end; drift exponent over the second "
-                       f"half {mr(b, '+.2f')}, still growing (b > 0.1) on {sum(x > 0.1 for x in b)} of {len(b)} seeds"
+                       f"half {mr(b, '+.2f')}, still growing (b > 0.1) on {sum(x is not None and x > 0.1 for x in b)} of {len(b)} seeds"
                        f"{paper}.")
     seeds = both("norm-perloop", "norm-perloop-penalty")
     if seeds:

@@ -123,7 +123,7 @@ def shared_start(runs, base="baseline"):
                  for mine, theirs in ((losses(seeds[s][0]), losses(runs[base][s][0])) for s in both)]
         if split and None not in split:
             parts.append(f"`{name}` at step {min(split)}" + (f"–{max(split)}" if max(split) != min(split) else "")
-                         + f" ({len(split)} of {len(split)} seeds)")
+                         + f" ({len(split)} of {len(seeds)} seeds)")
     return [f"- The first logged loss that differs from `{base}`'s: {'; '.join(parts)}. Until then a recipe is the same "
             "run as the baseline: the recipes that split late branch from one model, so their comparison is paired."] if parts else []
 

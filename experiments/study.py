@@ -72,12 +72,16 @@ def command(options, seed, out_dir, args):
 PLACES = ("--out_dir", "--data_dir", "--cache_dir")  # where a run and its data live, not what it is
 
 
+def without_places(argv):
+    """argv without PLACES, in either form (--data_dir DIR, --data_dir=DIR)."""
+    return [v for i, v in enumerate(argv) if v not in PLACES and (i == 0 or argv[i - 1] not in PLACES)
+            and not v.startswith(tuple(p + "=" for p in PLACES))]
+
+
 def same_command(meta, argv):
     """Whether run.json's command is argv, wherever the runs and the data are (PLACES left out: a run made
     offline from --data_dir files is the run the hub's copy of the same text makes)."""
-    strip = lambda a: [v for i, v in enumerate(a) if v not in PLACES and (i == 0 or a[i - 1] not in PLACES)
-                       and not v.startswith(tuple(p + "=" for p in PLACES))]
-    return "argv" in meta and strip(meta["argv"]) == strip(argv)
+    return "argv" in meta and without_places(meta["argv"]) == without_places(argv)
 
 
 def settings_changed(argv, report):
@@ -272,10 +276,11 @@ def provenance(runs, args):
     commits = sorted({m["commit"] for m in metas})
     threads = {0: "torch's default threads", 1: "1 thread each"}.get(args.threads, f"{args.threads} threads each")
     argv = metas[0]["argv"]  # one run's own command, without where its run and data live (PLACES)
-    shown = [a for a, prev in zip(argv, ["", *argv]) if a not in PLACES and prev not in PLACES]
+    shown = without_places(argv)
+    dropped = [p for p in PLACES if any(a == p or a.startswith(p + "=") for a in argv)]
     report = next(iter(next(iter(runs.values())).values()))[1]
     offline = ("; these runs read WikiText-2 from local files, the text the hub serves"
-               if len(shown) < len(argv) - 2 and report.get("config", {}).get("task") == "lm" else "")
+               if "--data_dir" in dropped and report.get("config", {}).get("task") == "lm" else "")
     where = os.path.relpath(args.runs, ROOT) if args.runs.startswith(ROOT + os.sep) else args.runs
     kept = "" if os.path.isabs(where) else ", kept out of git: the study's command makes them"
     took = (f"A run took {min(walls):.1f} to {max(walls):.1f} minutes; all runs {sum(walls) / 60:.1f} hours"
@@ -287,7 +292,7 @@ def provenance(runs, args):
              f"; {'; '.join(sorted({m['machine'] for m in metas}))}; {args.jobs} at once, "
              f"{threads if args.device == 'cpu' else 'on ' + args.device}. {took}",
              f"- **A run's command,** from its run.json (the first; the others differ in row and seed; shown without where its run and "
-             f"data live, --out_dir and --data_dir{offline}): `python train.py {shlex.join(shown)}`. One row and seed again: `python experiments/{args.study}.py "
+             f"data live, {' and '.join(dropped) or 'nothing'}{offline}): `python train.py {shlex.join(shown)}`. One row and seed again: `python experiments/{args.study}.py "
              f"--rows ROW --seeds S --runs DIR --out DIR` (its runs and page in DIR, this page untouched).",
              "- **Settings:** every run's recorded settings are those its command, presets included, resolves to "
              "here (`study.settings_changed`).",
