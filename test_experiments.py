@@ -178,7 +178,9 @@ def test_code_since_tells_code_from_comments_and_docstrings(tmp_path, monkeypatc
     (tmp_path / "looplm.py").write_text(src.replace("Old.", "New.").replace("# old", "# new"))
     assert study.code_since([c]) == "unchanged (looplm.py: comments and docstrings only)"
     (tmp_path / "looplm.py").write_text(src.replace("return x", "return -x"))
-    assert study.code_since([c]) == "changed in looplm.py"
+    assert study.code_since([c]) == "changed in looplm.py (f)"  # the function whose code changed is named
+    (tmp_path / "looplm.py").write_text(src + "g = f\n")
+    assert study.code_since([c]) == "changed in looplm.py (module)"
 
 
 def test_a_run_whose_command_now_resolves_to_other_settings_is_told_apart():

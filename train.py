@@ -408,6 +408,8 @@ def start(cfg, model_args, given):
         if cfg.compile:  # stars.looplm_step_fn keeps the STARS penalty and the evaluation's ρ on the eager step
             model.step = torch.compile(model.step)
         code = train(cfg, run, model, optimizer)
+        if world > 1:  # every rank waits for the master's last evaluation and save before the group is torn down
+            torch.distributed.barrier()
     except RuntimeError as e:  # out of memory (CUDA's OutOfMemoryError is one): one line saying what to lower
         oom = checkpoint.out_of_memory(e, cfg.batch_size, mcfg.block_size, mcfg.n_loops)
         if oom is e:

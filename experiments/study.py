@@ -218,11 +218,12 @@ TRAINING_CODE = ("looplm.py", "stars.py", "train.py", "report.py", "data.py", "c
 
 def code_since(commits):
     """What changed in TRAINING_CODE between the commits and the working tree, in words: "unchanged", "changed in
-    a.py, b.py", or "... in comments and docstrings only" where the syntax trees without docstrings are the same."""
+    a.py (f, g), b.py (...)" naming the top-level functions and classes whose code changed, or "... in comments
+    and docstrings only" where the syntax trees without docstrings are the same."""
     import ast
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
 
-    def bare(source):  # the syntax tree without docstrings, or None
+    def bare(source):  # {top-level function or class: its syntax tree without docstrings} (the rest: "module"), or None
         try:
             tree = ast.parse(source)
         except (SyntaxError, TypeError):
@@ -232,8 +233,9 @@ def code_since(commits):
             if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
                     getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
                 node.body = body[1:] or [ast.Pass()]
-        return ast.dump(tree)
-    changed, cosmetic = set(), set()
+        parts = {n.name: ast.dump(n) for n in tree.body if hasattr(n, "name")}
+        return {**parts, "module": "".join(ast.dump(n) for n in tree.body if not hasattr(n, "name"))}
+    changed, cosmetic = {}, set()
     for c in commits:
         rev = c.split("+")[0]
         r = git("diff", "--name-only", rev, "--", *TRAINING_CODE)
@@ -242,11 +244,17 @@ def code_since(commits):
         for f in r.stdout.split():
             old, path = git("show", f"{rev}:{f}"), os.path.join(ROOT, f)
             then, now = bare(old.stdout) if old.returncode == 0 else None, bare(open(path).read()) if os.path.exists(path) else None
-            (cosmetic if then is not None and then == now else changed).add(f)
-        changed |= {"(uncommitted changes)"} if "+" in c else set()
-    cosmetic -= changed
+            if then is not None and then == now:
+                cosmetic.add(f)
+            else:
+                names = sorted(k for k in {**(then or {}), **(now or {})} if (then or {}).get(k) != (now or {}).get(k))
+                changed[f] = changed.get(f, set()) | set(names if then is not None and now is not None else [])
+        if "+" in c:
+            changed["(uncommitted changes)"] = set()
+    cosmetic -= set(changed)
     words = lambda files: ", ".join(sorted(files))
-    return ((f"changed in {words(changed)}" if changed else "unchanged") +
+    where = ", ".join(f + (f" ({', '.join(sorted(changed[f]))})" if changed[f] else "") for f in sorted(changed))
+    return ((f"changed in {where}" if changed else "unchanged") +
             (f" ({words(cosmetic)}: comments and docstrings only)" if cosmetic else ""))
 
 
