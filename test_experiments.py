@@ -61,6 +61,40 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
     assert "drift exponent over the second half n/a, still growing (b > 0.1) on 0 of 1 seeds" in "".join(short)
 
 
+def test_loop1_probe_measures_what_loop_1_does_with_the_embedding(tmp_path):
+    import math
+    import torch
+    import paper_a
+    from checkpoint import save_checkpoint
+    from dataclasses import asdict
+    from looplm import LoopLM, LoopLMConfig
+    from train import TrainConfig
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 80)
+    cfg = asdict(TrainConfig(dataset="text", data_files=f"{tmp_path}/a.txt", tokenizer="bytes",
+                             cache_dir=str(tmp_path / "cache"), batch_size=4, seed=1, out_dir=str(tmp_path)))
+    torch.manual_seed(0)
+    mcfg = LoopLMConfig(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=32, readout="raw", dropout=0.0)
+    model = LoopLM(mcfg)
+    for block in model.blocks:  # no update: H_1 = H_0
+        torch.nn.init.zeros_(block.attn.c_proj.weight), torch.nn.init.zeros_(block.mlp.c_proj.weight)
+    save_checkpoint(str(tmp_path / "ckpt.pt"), {"model": model.state_dict(), "model_args": asdict(mcfg), "config": cfg,
+                                                "tokenizer": {"kind": "bytes"}})
+    cfg["block_size"] = 32  # the report's config holds the model's settings too
+    p = paper_a.loop1_probe({"out_dir": str(tmp_path)}, {"config": cfg})
+    assert p["d1"] == 0 and p["ce1"] == p["ce0"]  # loop 1 did nothing
+    assert abs(p["ce1_no_h0"] - math.log(256)) < 1e-5  # Δ_1 = 0 reads out as uniform logits
+    assert abs(p["h0"] - math.sqrt(2 * 32)) < 2  # token + position embeddings, each N(0, 1) in 32 dimensions
+    assert p["h0_reads_input"] > 0.5  # the tied head reads the embedding back as its own token (chance: 1/256)
+    runs = {"norm-perloop": {1: ({"out_dir": "a"}, {"config": {"readout": "norm", "norm_penalty": 0.0, "init": "pytorch"}})},
+            "raw-perloop": {1: ({"out_dir": "b"}, {"config": {"readout": "raw", "norm_penalty": 0.0, "init": "pytorch"}})}}
+    probes = {"a": dict(p, d1=40 * p["h0"], cos=0.05), "b": dict(p, d1=p["h0"], cos=-0.8)}
+    lines = paper_a.loop1_claims(runs, probes)
+    assert any(line.startswith("- The 1 runs with Paper A's init whose loss sees") and "cos(Δ_1, H_0) -0.800" in line
+               and "1.0x to 1.0x" in line for line in lines)
+    assert any("cannot see it" in line and "40.0x to 40.0x" in line for line in lines)
+    assert not any("nanoGPT's init, whose" in line for line in lines)  # no such run
+
+
 def test_depth_goal_pairs_each_seed_with_its_baseline_and_finds_the_frontier():
     import depth
 

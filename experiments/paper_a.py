@@ -33,6 +33,8 @@ def page(runs, args):
     from checkpoint import read_log
     from report import drift_exponent
     mr = study.mean_range
+    probes = {m["out_dir"]: loop1_probe(m, rep) for seeds in runs.values() for m, rep in seeds.values()}
+    probed = lambda key, scale=1: lambda r, m: probes[m["out_dir"]][key] * scale
     col = lambda seeds, f, fmt: mr([f(rep, meta) for meta, rep in seeds.values()], fmt)
     last = lambda rep: rep["per_loop"][-1]
     ppl = lambda k: lambda rep, _: rep["per_loop"][k - 1]["ppl"]
@@ -47,7 +49,7 @@ def page(runs, args):
              ("relative step at loop 4", lambda r, _: r["per_loop"][3]["relative_step"], ".1e"),
              ("Lemma 2 slope (s ≥ 1)", lambda r, _: probe_slope(r), "+.2f")]
     lines = ["# Paper A at CPU scale: the readout blind spot\n", study.provenance(runs, args),
-             "\n## Paper A's claims, seed by seed\n", *claims(runs),
+             "\n## Paper A's claims, seed by seed\n", *claims(runs), *loop1_claims(runs, probes),
              "\n## The recipes\n", "`python train.py` options; each run adds `--seed S`. `config/ablation_cpu.py` is Paper A's "
              "recipe at CPU scale (its init, constant LR, epochs of windows) on WikiText-2 bytes: d 128, 2 layers × 4 "
              "loops, 600 steps. Each row switches one of the paper's ideas. Every row of one seed starts from the same "
@@ -64,6 +66,14 @@ def page(runs, args):
                "bounds how far loop 4 turns the state's direction (Lemma 2). Lemma 2 slope: loop 4 run from its input "
                "rescaled, s·H_3 (`looplm.scale_probe`), the log-log slope of its relative step against s for s from 1 to "
                "64 (Lemma 2: −1 as s grows; the plot shows s from 1/64).", loops))
+    tables += (("What loop 1 does with the embedding", "From each run's checkpoint, on the first validation batch of its "
+                "evaluation (`loop1_probe`): per token, averaged, the embedding H_0 (token + position), loop 1's update "
+                "Δ_1 = H_1 − H_0 and their cosine; CE_1 (nats) and CE_1 with H_0 taken out of H_1 (the readout of Δ_1 "
+                "alone); CE of the readout of H_0 itself, and the share of positions where it predicts the input byte.",
+                [("‖H_0‖", probed("h0"), ".1f"), ("‖Δ_1‖", probed("d1"), ".1f"), ("cos(Δ_1, H_0)", probed("cos"), "+.3f"),
+                 ("CE of H_0", probed("ce0"), ".1f"), ("CE_1", probed("ce1"), ".3f"),
+                 ("CE_1 of Δ_1 alone", probed("ce1_no_h0"), ".3f"),
+                 ("H_0 read as its input (%)", probed("h0_reads_input", 100), ".1f")]),)
     for title, what, cols in tables:
         lines.append(f"\n## {title}: mean (min–max) over seeds\n\n{what}\n")
         lines.append("| run | seeds | " + " | ".join(c[0] for c in cols) + " |\n|---|---|" + "---|" * len(cols))
@@ -100,11 +110,62 @@ def logged_norm(meta, frac):
     return next(r["norm_K"] for r in rows if r["iter"] >= frac * rows[-1]["iter"]) if rows else None
 
 
+def loop1_probe(meta, rep):
+    """What loop 1 does with the embedding H_0, from the run's checkpoint, on the first validation batch of its
+    evaluation (report.evaluate_lm's): per token, averaged, ‖H_0‖, ‖Δ_1‖ = ‖H_1 − H_0‖ and cos(Δ_1, H_0); CE_1 (loop 1's
+    readout, nats) and CE_1 of Δ_1 alone (H_0 taken out of H_1); CE of the readout of H_0 itself, and how often it
+    predicts the input token (the tied head reads the embedding back: a next-token model must overwrite it)."""
+    import torch
+    import torch.nn.functional as F
+    from checkpoint import load_checkpoint, model_from_checkpoint
+    from data import get_batch, prepare_data
+    ckpt = load_checkpoint(meta["out_dir"])
+    model, cfg = model_from_checkpoint(ckpt), rep["config"]
+    val = prepare_data(cfg, ckpt["tokenizer"])[1]
+    x, y = get_batch(val, min(cfg["batch_size"], 16), cfg["block_size"], torch.Generator().manual_seed(cfg["seed"] + 999))
+    K = model.config.n_loops
+    ce = lambda h: F.cross_entropy(model.readout(h, 1, K).flatten(0, 1), y.flatten()).item()
+    with torch.no_grad():
+        h0 = model.embed(x)
+        d1 = model.loop_states(x, 1)[0] - h0
+        return {"h0": h0.norm(dim=-1).mean().item(), "d1": d1.norm(dim=-1).mean().item(),
+                "cos": F.cosine_similarity(d1, h0, dim=-1).mean().item(), "ce0": ce(h0), "ce1": ce(h0 + d1), "ce1_no_h0": ce(d1),
+                "h0_reads_input": (model.readout(h0, 1, K).argmax(-1) == x).float().mean().item()}
+
+
 def probe_slope(rep):
     """The log-log slope of loop 4's relative step against the scale s ≥ 1 of its input: Lemma 2's regime, a state
     scaled up (Lemma 2: −1 as s grows). The page's plot shows the whole probe, s from 1/64."""
     big = [(s, v) for s, v in zip(SCALES, rep["per_loop"][3]["scale_probe"]) if s >= 1]
     return float(np.polyfit(np.log([s for s, _ in big]), np.log([v for _, v in big]), 1)[0])
+
+
+def loop1_claims(runs, probes):
+    """Why per-loop `norm`'s state is large from loop 1 on: what loop 1 does with the embedding (loop1_probe), in
+    the runs whose loss sees loop 1's scale (a raw readout there: raw, final_norm; or the norm penalty) and the others."""
+    reads = [p["h0_reads_input"] for p in probes.values()]
+    ce0 = lambda init: [probes[m["out_dir"]]["ce0"] for seeds in runs.values() for m, rep in seeds.values()
+                        if (rep["config"]["init"] == "pytorch") == init]
+    out = [f"- The tied head reads the embedding back: the readout of H_0 predicts the input byte itself on "
+           f"{100 * min(reads):.1f}% to {100 * max(reads):.1f}% of positions in the {len(reads)} runs, so loop 1 must "
+           "overwrite H_0" + (f"; with Paper A's init confidently (CE {min(ce0(True)):.1f} to "
+                              f"{max(ce0(True)):.1f} nats)" if ce0(True) else "")
+           + (f", with nanoGPT's far less ({min(ce0(False)):.1f} to {max(ce0(False)):.1f})" if ce0(False) else "") + "."]
+    sees = lambda c: c["readout"] != "norm" or c["norm_penalty"] > 0
+    groups = ((lambda c: c["init"] == "pytorch" and sees(c), "with Paper A's init whose loss sees the state's scale (a raw "
+               "readout, or the norm penalty) cancel it"),
+              (lambda c: c["init"] == "pytorch" and not sees(c), "with Paper A's init whose loss cannot see it (RMSNorm "
+               "readout only, no penalty) outgrow it"),
+              (lambda c: c["init"] != "pytorch", "with nanoGPT's init, whose H_0 is small, outgrow it, whatever the readout"))
+    for member, how in groups:
+        p = [probes[m["out_dir"]] for seeds in runs.values() for m, rep in seeds.values() if member(rep["config"])]
+        if p:
+            ratio, cos = [q["d1"] / q["h0"] for q in p], [q["cos"] for q in p]
+            moved = [q["ce1_no_h0"] - q["ce1"] for q in p]
+            out.append(f"- The {len(p)} runs {how}: cos(Δ_1, H_0) {min(cos):+.3f} to {max(cos):+.3f}, ‖Δ_1‖ {min(ratio):.1f}x "
+                       f"to {max(ratio):.1f}x ‖H_0‖; taking H_0 out of H_1 raises CE_1 by {min(moved):+.3f} to "
+                       f"{max(moved):+.3f} nats.")
+    return out
 
 
 def claims(runs):
