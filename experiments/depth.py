@@ -56,8 +56,9 @@ def rho_table(runs):
              "direction has an eigenvalue near 1 (a branch reads N(H), blind to its scale): the scale the loop "
              "carries, which a norm readout does not see. **Off the state**: each block with that direction projected "
              "out, the directions a readout sees; where the two columns agree, the largest eigenvalue is not the "
-             "state's own. Below 1, small perturbations shrink under repeated loops near the measured state (it "
-             "has settled only where the relative step also goes to 0).\n"]
+             "state's own. At a fixed point (relative step → 0) ρ < 1 means small perturbations shrink under "
+             "repeated loops; at a state still moving, one loop's ρ is a local reading that guarantees nothing (a "
+             "non-normal J can grow a perturbation for a few loops).\n"]
     head = " | ".join(f"at {k}" for k in RHO_AT)
     lines.append(f"| recipe | all directions: {head} | off the state: {head} |\n|---|" + "---|" * 2 * len(RHO_AT))
     for name, seeds in runs.items():

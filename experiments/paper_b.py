@@ -62,8 +62,9 @@ def page(runs, args):
         lines.append("ρ(∂h_k/∂h_{k−1}) at loop k's input, exactly (`report.loop_rho`: causal attention makes the map's "
                      "Jacobian block lower-triangular over positions, so its eigenvalues are those of each position's "
                      "own block): the largest over the answer positions, the ones that decide the output, averaged over "
-                     "16 held-out problems. Below 1, small perturbations shrink under repeated loops near the measured "
-                     "state (a fixed point if the relative step also goes to 0). The relative step: at the "
+                     "16 held-out problems. At a fixed point (relative step → 0) ρ < 1 means small perturbations "
+                     "shrink under repeated loops; at a state still moving, one loop's ρ is a local reading that "
+                     "guarantees nothing (a non-normal J can grow a perturbation for a few loops). The relative step: at the "
                      "answer positions, over every held-out problem. ‖vᵀJ‖: the penalty's own estimate, from log.jsonl "
                      "(mean over the last 10% of steps, at each step's sampled depth): what the penalty sees, beside ρ.\n")
         lines.append("| recipe | " + " | ".join(f"ρ at {k}" for k in deep) + " | "
