@@ -1,6 +1,6 @@
 """
 Depth as a dial on text: which recipe keeps a looped LM no worse at 16, 32 and 64 loops than at its training
-depth K, at no cost at K? Every recipe on two seeds; the page is a frontier: CE at K against the worst rise.
+depth K, at no cost at K? Every recipe on two seeds; the page is a frontier: the cost at K against the worst rise.
 
     python experiments/depth.py                                  # every row on seeds 1, 2: depth.md
     python experiments/depth.py --rows baseline,mean4 --seeds 3  # some rows, another seed
@@ -205,17 +205,18 @@ def page(runs, args):
         lines.append(f"| {name} | " + " | ".join(cell(k) for k in ks) + " |")
     lines += rhos
     fig, ax = plt.subplots(figsize=(8, 5))
-    for i, (name, seeds) in enumerate(runs.items()):
-        pts = [(ce_K(rep), rise(rep)) for _, rep in seeds.values() if rise(rep) is not None]
+    for i, (name, pts) in enumerate(points(runs).items()):  # (cost, rise) per seed: the goal's own axes
         if pts:
-            ax.scatter(*zip(*pts), label=name, color=plt.get_cmap("tab20")(i % 20),
+            ax.scatter(*zip(*pts.values()), label=name, color=plt.get_cmap("tab20")(i % 20),
                        marker="*" if name in BASELINES else "o")
     ax.axhline(0.01, color="gray", ls=":", lw=1)
-    ax.set(xlabel="validation CE at the training depth K (nats/byte)", ylabel="worst CE at 16/32/64 − CE at K",
-           title="the depth frontier: one point per recipe and seed (goal: bottom left)")
+    ax.axvline(0.02, color="gray", ls=":", lw=1)
+    ax.set(xlabel="cost at K: CE at K − the fixed-depth baseline's, same seed and steps (nats/byte)",
+           ylabel="rise: worst CE at 16/32/64 − CE at K", title="one point per recipe and seed; the goal: left of and below the dotted lines")
+    ax.title.set_fontsize(10)
     ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))
     png = study.savefig(fig, args, "frontier")
-    lines.insert(2, f"\n![the frontier: CE at K against the worst rise past 4K]({png})\n")
+    lines.insert(2, f"\n![the frontier: the cost at K against the worst rise past 4K]({png})\n")
     return "\n".join(lines) + "\n", [png]
 
 

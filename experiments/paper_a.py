@@ -203,7 +203,7 @@ def claims(runs):
     seeds = both("norm-perloop", "raw-perloop")
     if seeds:  # Lemma 2: a large scale freezes the loop (the step relative to the state shrinks as 1/scale)
         step = lambda row, s: at(row, s)["relative_step"]
-        out.append(f"- Lemma 2, the frozen loop: loop 4's relative step ‖H_4 − H_3‖/‖H_3‖ is "
+        out.append(f"- Lemma 2's relative step: loop 4's ‖H_4 − H_3‖/‖H_3‖ is "
                    f"{mr([step('norm-perloop', s) for s in seeds], '.1e')} for per-loop `norm`, "
                    f"{mr([step('raw-perloop', s) for s in seeds], '.1e')} for `raw`; smaller for `norm` on "
                    f"{sum(step('norm-perloop', s) < step('raw-perloop', s) for s in seeds)} of {len(seeds)} seeds.")
