@@ -36,7 +36,7 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
             "raw-perloop": {1: run(7.0, 11.0, 8.5, 2e-2, 0.1), 2: run(8.0, 11.0, 9.5, 3e-2, 0.1),
                             3: run(9.0, 11.0, 8.0, 1e-2, 0.1)}}
     lines = paper_a.claims(runs)
-    drift = next(line for line in lines if line.startswith("- Norm drift"))
+    drift = next(line for line in lines if line.startswith("- Scale gap"))
     assert "larger on 2 of 3 seeds" in drift  # seed 3: norm 5 < raw 9
     fix = next(line for line in lines if line.startswith("- `raw-perloop`"))
     assert "gains more from its loops on 3 of 3 seeds" in fix and "on 2 of 3." in fix  # seed 2 ends above norm

@@ -53,7 +53,7 @@ def page(runs, args):
              "\n## The recipes\n", "`python train.py` options; each run adds `--seed S`. `config/ablation_cpu.py` is Paper A's "
              "recipe at CPU scale (its init, constant LR, epochs of windows) on WikiText-2 bytes: d 128, 2 layers × 4 "
              "loops, 600 steps. Each row switches one of the paper's ideas. Every row of one seed starts from the same "
-             "weights where the shapes agree and trains on the same windows in the same order.\n"]
+             "weights where the shapes and init agree and trains on the same windows in the same order.\n"]
     lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
     tables = (("The state's scale", "‖H_1‖, ‖H_K‖: per-token L2 norm at the first and the last loop over the "
                "validation bytes; logged ‖H_K‖: the training batch's, from log.jsonl, at the first step logged from 10% of "
@@ -177,7 +177,7 @@ def claims(runs):
     at = lambda row, s, k=4: runs[row][s][1]["per_loop"][k - 1]
     gain = lambda row, s: at(row, s, 4)["ppl"] - at(row, s, 1)["ppl"]
     out = []
-    for norm, raw, what, paper in (("norm-perloop", "raw-perloop", "Norm drift (Paper A's init)",
+    for norm, raw, what, paper in (("norm-perloop", "raw-perloop", "Scale gap (Paper A's init)",
                                     " (Paper A: 39,207 against 17–83)"),
                                    ("nanogpt-norm-perloop", "nanogpt-raw-perloop", "Under nanoGPT's init", "")):
         seeds = both(norm, raw)
