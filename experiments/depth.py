@@ -132,7 +132,7 @@ def goal(runs):
 
 LESSONS = (  # what one ingredient does: (what, recipe, the recipe without it)
     ("depth sampling", "mean4", "baseline"),
-    ("Paper B's deeper depth distribution", "deep", "mean4"),
+    ("Paper B's depth distribution, gradient through the last 4 loops", "deep", "mean4"),
     ("the raw readout", "raw-mean4", "mean4"),
     ("the norm penalty", "penalty-mean4", "mean4"),
     ("loop_norm", "loopnorm-mean4", "mean4"),
