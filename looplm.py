@@ -41,7 +41,7 @@ class LoopLMConfig:
     n_head: int = setting(8, "attention heads", lo=1, hi=4096)
     n_embd: int = setting(512, "model width d", lo=1, hi=65536)
     n_loops: int = setting(4, "K: loops of the shared stack at training time (and the default at evaluation)", lo=1, hi=100_000)
-    dropout: float = setting(0.1, "dropout on embeddings, attention and MLP outputs", lo=0.0, hi=0.99)
+    dropout: float = setting(0.1, "dropout on the embeddings, the attention probabilities and the MLP output", lo=0.0, hi=0.99)
     readout: str = setting("norm", "norm: W_E·RMSNorm(H), scale-invariant | raw: W_E·H | final_norm: raw, norm at loop K",
                            choices=("norm", "raw", "final_norm"))
     per_loop_ce: bool = setting(False, "train every loop's readout: mean_k CE_k (else CE_K only)")

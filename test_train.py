@@ -59,7 +59,7 @@ def test_train_rows_of_one_seed_train_on_the_same_batches_whatever_their_sampler
     assert torch.equal(batches["fixed"], batches["stars"]) and not torch.equal(batches["fixed"], batches["seed 2"])
 
 
-def test_train_logs_jv_norm_as_the_mean_over_micro_batches(train_data_args, tmp_path, monkeypatch):
+def test_train_logs_jv_norm_as_the_mean_over_micro_batches(train_data_args, tmp_path, monkeypatch, capsys):
     means, real = [], stars.jsrr_penalty
     def recorded(f, h, **kw):
         pen, jv = real(f, h, **kw)
@@ -72,6 +72,7 @@ def test_train_logs_jv_norm_as_the_mean_over_micro_batches(train_data_args, tmp_
     logged = [r["jv_norm"] for r in train_losses(tmp_path / "run")]
     want = [(means[2 * i] + means[2 * i + 1]) / 2 for i in range(2)]
     assert len(means) == 4 and means[0] != means[1] and logged == pytest.approx(want, rel=1e-6)
+    assert f" | ‖vᵀJ‖ {logged[-1]:.3f}" in capsys.readouterr().out  # the default mode's quantity, named as such
 
 
 def test_train_step_reads_the_device_only_at_log_steps(train_data_args, tmp_path, monkeypatch):

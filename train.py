@@ -225,7 +225,7 @@ def train(cfg, run, model, optimizer):
             lam = stars.lambda_at(it, cfg.stars_lambda, cfg.stars_warmup)
             penalty = stars.Penalty(lam, cfg.stars_mode, cfg.stars_rows, cfg.stars_iters, cfg.stars_supervised,
                                     g_penalty) if lam > 0 else None
-            logged = torch.zeros(4, device=run.device)  # loss, mean ‖H_K‖, signalled, ‖Jv‖: read at log steps only
+            logged = torch.zeros(4, device=run.device)  # loss, mean ‖H_K‖, signalled, ‖Jv‖ (or ‖vᵀJ‖): read at log steps only
             for micro in range(cfg.gradient_accumulation_steps):
                 x, y = data.train_batch(cfg, run, g_batch, micro)
                 with run.ctx:
@@ -257,9 +257,9 @@ def train(cfg, run, model, optimizer):
                 checkpoint.append_log(run.log_path, {"iter": run.iter_num, "loss": loss_f, "lr": lr, "loops": n_loops,
                                                  "norm_K": norm_K, "tokens_per_s": tps,
                                                  **({"jv_norm": jv_f} if penalty is not None else {})})
+                jv_text = "" if penalty is None else f" | {'‖vᵀJ‖' if penalty.mode == 'vjp' else '‖Jv‖'} {jv_f:.3f}"
                 print(f"step {run.iter_num}/{run.max_iters} loss {loss_f:.4f} | {tps:,.0f} tok/s | ETA {eta / 60:.1f} min"
-                      f" | ‖H_K‖ {norm_K:.1f} | loops {n_loops}" + (f" | ‖Jv‖ {jv_f:.3f}" if penalty is not None else ""),
-                      flush=True)
+                      f" | ‖H_K‖ {norm_K:.1f} | loops {n_loops}{jv_text}", flush=True)
                 t0 = time.perf_counter()
             # one process stops at once; ranks together, at a log or eval step (all read the averaged flag there)
             stopping = "sig" in stop if run.world == 1 else (log_now or eval_now) and signalled > 0
