@@ -258,6 +258,13 @@ def code_since(commits):
             (f" ({words(cosmetic)}: comments and docstrings only)" if cosmetic else ""))
 
 
+def oldest(commits):
+    """The earliest of the commits (by commit time; "+changes" dropped): what a diff of everything since starts from."""
+    when = lambda c: subprocess.run(["git", "log", "-1", "--format=%ct", c.split("+")[0]], cwd=ROOT, capture_output=True,
+                                    text=True).stdout.strip() or "0"
+    return min((c.split("+")[0] for c in commits), key=lambda c: int(when(c)))
+
+
 def machine():
     import torch
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
@@ -307,7 +314,7 @@ def provenance(runs, args):
              "here (`study.settings_changed`).",
              f"- **Code since the runs:** the Python that trains and evaluates ({', '.join(TRAINING_CODE)}) "
              f"{since}" + ("." if since == "unchanged" else
-                                         f": `git diff {commits[0]} {commit().split('+')[0]} -- {' '.join(TRAINING_CODE)}`.")]
+                                         f": `git diff {oldest(commits)} {commit().split('+')[0]} -- {' '.join(TRAINING_CODE)}`.")]
     return "\n".join(lines) + "\n"
 
 
