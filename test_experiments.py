@@ -196,7 +196,7 @@ def test_paper_b_finds_where_each_recipe_splits_from_the_baseline_and_the_logged
     assert paper_b.logged_jv(runs["baseline"][1][0]) is None
 
 
-def test_code_since_tells_code_from_comments_and_docstrings(tmp_path, monkeypatch):
+def test_code_since_tells_code_from_strings_comments_and_docstrings(tmp_path, monkeypatch):
     head = study.commit().split("+")[0]
     assert "(uncommitted changes)" in study.code_since([head + "+changes"])  # a run made from a changed tree
     assert study.code_since(["0000000"]) == "not compared (git cannot read commit 0000000)"
@@ -212,9 +212,22 @@ def test_code_since_tells_code_from_comments_and_docstrings(tmp_path, monkeypatc
     (tmp_path / "looplm.py").write_text(src.replace("Old.", "New.").replace("# old", "# new"))
     assert study.code_since([c]) == "unchanged (looplm.py: comments and docstrings only)"
     (tmp_path / "looplm.py").write_text(src.replace("return x", "return -x"))
-    assert study.code_since([c]) == "changed in looplm.py (f)"  # the function whose code changed is named
+    assert study.code_since([c]) == "changed in looplm.py (f; +1 −1 lines)"  # the function whose code changed is named
     (tmp_path / "looplm.py").write_text(src + "g = f\n")
-    assert study.code_since([c]) == "changed in looplm.py (module)"
+    assert study.code_since([c]) == "changed in looplm.py (module; +1 −0 lines)"
+    (tmp_path / "looplm.py").write_text(src.replace("return x", "return x + 'a'"))
+    assert study.code_since([c]) == "changed in looplm.py (f; +1 −1 lines)"  # a string that was not there: code
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "two")
+    c = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "looplm.py").write_text(src.replace("return x", "return x + 'b'"))
+    assert study.code_since([c]) == "changed in looplm.py (f: strings only; +1 −1 lines)"  # help text, a message
+
+
+def test_the_header_names_the_rows_made_at_each_commit():
+    run = lambda c: ({"commit": c}, {})
+    runs = {"a": {1: run("c1"), 2: run("c1")}, "b": {1: run("c1"), 2: run("c2")}, "c": {1: run("c2"), 2: run("c2")}}
+    assert study.run_commits(runs) == "c1 (the others); c2 (`b` seed 2, `c`)"
+    assert study.run_commits({"a": {1: run("c1")}}) == "c1"
 
 
 def test_a_run_whose_command_now_resolves_to_other_settings_is_told_apart():
