@@ -152,6 +152,15 @@ def run_quick(study_name, tmp_path):
 
 
 @pytest.mark.slow
+def test_paper_a_quick_probes_loop_1_from_each_runs_checkpoint(tmp_path):
+    _, page = run_quick("paper_a", tmp_path)
+    table = page.split("## What loop 1 does with the embedding")[1].split("\n## ")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| norm-terminal |") or line.startswith("| raw-terminal |")]
+    assert len(rows) == 2 and "n/a" not in "".join(rows)  # each run's checkpoint and data were read
+    assert "of positions in the 2 runs probed" in page
+
+
+@pytest.mark.slow
 def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(tmp_path):
     cmd, page = run_quick("paper_b", tmp_path)
     assert (tmp_path / "paper_b-quick_accuracy.png").stat().st_size > 0
@@ -218,9 +227,10 @@ def test_code_since_tells_code_from_strings_comments_and_docstrings(tmp_path, mo
     (tmp_path / "looplm.py").write_text(src.replace("return x", "return x + 'a'"))
     assert study.code_since([c]) == "changed in looplm.py (f; +1 −1 lines)"  # a string that was not there: code
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "two")
-    c = git("rev-parse", "--short", "HEAD")
+    first, c = c, git("rev-parse", "--short", "HEAD")
     (tmp_path / "looplm.py").write_text(src.replace("return x", "return x + 'b'"))
-    assert study.code_since([c]) == "changed in looplm.py (f: strings only; +1 −1 lines)"  # help text, a message
+    assert study.code_since([c]) == "changed in looplm.py (f: string constants only; +1 −1 lines)"  # help text, a message
+    assert study.code_since([first, c]) == "changed in looplm.py (f; +1 −1 lines)"  # code since the first commit
 
 
 def test_the_header_names_the_rows_made_at_each_commit():

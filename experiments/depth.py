@@ -209,12 +209,15 @@ def page(runs, args):
         if pts:
             ax.scatter(*zip(*pts.values()), label=name, color=plt.get_cmap("tab20")(i % 20),
                        marker="*" if name in BASELINES else "o")
+    if not ax.collections:  # no recipe has a fixed-depth baseline of its seed and steps: no cost to plot
+        ax.text(0.5, 0.5, "no baseline run of the same seed and steps: no cost", ha="center", transform=ax.transAxes)
     ax.axhline(0.01, color="gray", ls=":", lw=1)
     ax.axvline(0.02, color="gray", ls=":", lw=1)
     ax.set(xlabel="cost at K: CE at K − the fixed-depth baseline's, same seed and steps (nats/byte)",
            ylabel="rise: worst CE at 16/32/64 − CE at K", title="one point per recipe and seed; the goal: left of and below the dotted lines")
     ax.title.set_fontsize(10)
-    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))
+    if ax.collections:
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))
     png = study.savefig(fig, args, "frontier")
     lines.insert(2, f"\n![the frontier: the cost at K against the worst rise past 4K]({png})\n")
     return "\n".join(lines) + "\n", [png]

@@ -34,7 +34,7 @@ def page(runs, args):
     from report import drift_exponent
     mr = study.mean_range
     probes = {m["out_dir"]: loop1_probe(m, rep) for seeds in runs.values() for m, rep in seeds.values()}
-    probed = lambda key, scale=1: lambda r, m: probes[m["out_dir"]][key] * scale
+    probed = lambda key, scale=1: lambda r, m: None if probes[m["out_dir"]] is None else probes[m["out_dir"]][key] * scale
     col = lambda seeds, f, fmt: mr([f(rep, meta) for meta, rep in seeds.values()], fmt)
     last = lambda rep: rep["per_loop"][-1]
     ppl = lambda k: lambda rep, _: rep["per_loop"][k - 1]["ppl"]
@@ -112,25 +112,33 @@ def logged_norm(meta, frac):
 
 def loop1_probe(meta, rep):
     """What loop 1 does with the embedding H_0, from the run's checkpoint, on the first validation batch of its
-    evaluation (report.evaluate_lm's): per token, averaged, ‖H_0‖, ‖Δ_1‖ = ‖H_1 − H_0‖ and cos(Δ_1, H_0); CE_1 (loop 1's
-    readout, nats) and CE_1 of Δ_1 alone (H_0 taken out of H_1); CE of the readout of H_0 itself, and how often it
-    predicts the input token (the tied head reads the embedding back: a next-token model must overwrite it)."""
+    evaluation (drawn as report.evaluate_lm draws it): per token, averaged, ‖H_0‖, ‖Δ_1‖ = ‖H_1 − H_0‖ and
+    cos(Δ_1, H_0); CE_1 (loop 1's readout, nats) and CE_1 of Δ_1 alone (H_0 taken out of H_1); CE of the readout of H_0
+    itself, and how often it predicts the input token (the tied head reads the embedding back: a next-token model
+    must overwrite it). None, with a note, when the checkpoint or the data the run read is not there."""
     import torch
     import torch.nn.functional as F
     from checkpoint import load_checkpoint, model_from_checkpoint
+    from configurator import RunError
     from data import get_batch, prepare_data
-    ckpt = load_checkpoint(meta["out_dir"])
+    from looplm import token_norms
+    try:
+        ckpt = load_checkpoint(meta["out_dir"])
+        val = prepare_data(rep["config"], ckpt["tokenizer"])[1]
+    except (RunError, OSError) as e:
+        print(f"left out of the loop-1 probe: {meta['out_dir']} ({e})")
+        return None
     model, cfg = model_from_checkpoint(ckpt), rep["config"]
-    val = prepare_data(cfg, ckpt["tokenizer"])[1]
-    x, y = get_batch(val, min(cfg["batch_size"], 16), cfg["block_size"], torch.Generator().manual_seed(cfg["seed"] + 999))
+    x, y = get_batch(val, min(cfg["batch_size"], 16), model.config.block_size,
+                     torch.Generator().manual_seed(cfg["seed"] + 999))
     K = model.config.n_loops
     ce = lambda h: F.cross_entropy(model.readout(h, 1, K).flatten(0, 1), y.flatten()).item()
     with torch.no_grad():
         h0 = model.embed(x)
         d1 = model.loop_states(x, 1)[0] - h0
-        return {"h0": h0.norm(dim=-1).mean().item(), "d1": d1.norm(dim=-1).mean().item(),
-                "cos": F.cosine_similarity(d1, h0, dim=-1).mean().item(), "ce0": ce(h0), "ce1": ce(h0 + d1), "ce1_no_h0": ce(d1),
-                "h0_reads_input": (model.readout(h0, 1, K).argmax(-1) == x).float().mean().item()}
+        return {"h0": token_norms(h0).mean().item(), "d1": token_norms(d1).mean().item(),
+                "cos": F.cosine_similarity(d1, h0, dim=-1).mean().item(), "ce0": ce(h0), "ce1": ce(h0 + d1),
+                "ce1_no_h0": ce(d1), "h0_reads_input": (model.readout(h0, 1, K).argmax(-1) == x).float().mean().item()}
 
 
 def probe_slope(rep):
@@ -142,29 +150,34 @@ def probe_slope(rep):
 
 def loop1_claims(runs, probes):
     """Why per-loop `norm`'s state is large from loop 1 on: what loop 1 does with the embedding (loop1_probe), in
-    the runs whose loss sees loop 1's scale (a raw readout there: raw, final_norm; or the norm penalty) and the others."""
-    reads = [p["h0_reads_input"] for p in probes.values()]
-    ce0 = lambda init: [probes[m["out_dir"]]["ce0"] for seeds in runs.values() for m, rep in seeds.values()
-                        if (rep["config"]["init"] == "pytorch") == init]
+    the runs whose loss sees the state's scale (a raw readout, or the norm penalty) and the others, by init. The verb
+    comes from the numbers: Δ_1 opposes H_0 where every cosine is negative, outgrows it where every ‖Δ_1‖ > ‖H_0‖."""
+    got = {m["out_dir"]: (rep["config"], probes[m["out_dir"]]) for seeds in runs.values() for m, rep in seeds.values()
+           if probes.get(m["out_dir"]) is not None}
+    if not got:
+        return []
+    reads = [p["h0_reads_input"] for _, p in got.values()]
+    ce0 = lambda init: [p["ce0"] for c, p in got.values() if (c["init"] == "pytorch") == init]
     out = [f"- The tied head reads the embedding back: the readout of H_0 predicts the input byte itself on "
-           f"{100 * min(reads):.1f}% to {100 * max(reads):.1f}% of positions in the {len(reads)} runs, so loop 1 must "
-           "overwrite H_0" + (f"; with Paper A's init confidently (CE {min(ce0(True)):.1f} to "
-                              f"{max(ce0(True)):.1f} nats)" if ce0(True) else "")
+           f"{100 * min(reads):.1f}% to {100 * max(reads):.1f}% of positions in the {len(reads)} runs probed, so loop 1 "
+           "must overwrite H_0" + (f"; with Paper A's init confidently (CE {min(ce0(True)):.1f} to "
+                                   f"{max(ce0(True)):.1f} nats)" if ce0(True) else "")
            + (f", with nanoGPT's far less ({min(ce0(False)):.1f} to {max(ce0(False)):.1f})" if ce0(False) else "") + "."]
     sees = lambda c: c["readout"] != "norm" or c["norm_penalty"] > 0
     groups = ((lambda c: c["init"] == "pytorch" and sees(c), "with Paper A's init whose loss sees the state's scale (a raw "
-               "readout, or the norm penalty) cancel it"),
+               "readout, or the norm penalty)"),
               (lambda c: c["init"] == "pytorch" and not sees(c), "with Paper A's init whose loss cannot see it (RMSNorm "
-               "readout only, no penalty) outgrow it"),
-              (lambda c: c["init"] != "pytorch", "with nanoGPT's init, whose H_0 is small, outgrow it, whatever the readout"))
-    for member, how in groups:
-        p = [probes[m["out_dir"]] for seeds in runs.values() for m, rep in seeds.values() if member(rep["config"])]
+               "readout only, no penalty)"),
+              (lambda c: c["init"] != "pytorch", "with nanoGPT's init, whose H_0 is small, whatever the readout,"))
+    for member, which in groups:
+        p = [q for c, q in got.values() if member(c)]
         if p:
             ratio, cos = [q["d1"] / q["h0"] for q in p], [q["cos"] for q in p]
             moved = [q["ce1_no_h0"] - q["ce1"] for q in p]
-            out.append(f"- The {len(p)} runs {how}: cos(Δ_1, H_0) {min(cos):+.3f} to {max(cos):+.3f}, ‖Δ_1‖ {min(ratio):.1f}x "
-                       f"to {max(ratio):.1f}x ‖H_0‖; taking H_0 out of H_1 raises CE_1 by {min(moved):+.3f} to "
-                       f"{max(moved):+.3f} nats.")
+            verb = "oppose it" if max(cos) < 0 else "outgrow it" if min(ratio) > 1 else "neither oppose nor outgrow it"
+            out.append(f"- The {len(p)} runs {which} {verb}: cos(Δ_1, H_0) {min(cos):+.3f} to {max(cos):+.3f}, ‖Δ_1‖ "
+                       f"{min(ratio):.1f}x to {max(ratio):.1f}x ‖H_0‖; taking H_0 out of H_1 changes CE_1 by "
+                       f"{min(moved):+.3f} to {max(moved):+.3f} nats.")
     return out
 
 

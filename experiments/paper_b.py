@@ -136,12 +136,14 @@ def shared_start(runs, base="baseline"):
 
 
 def holds(runs, depths, K):
-    """What holds on how many seeds, counted from the reports: per recipe, then a recipe against the one it extends."""
+    """What holds on how many seeds, counted from the reports (the plateau: from the logs): per recipe, then a recipe
+    against the one it extends."""
     acc = lambda rep, k: rep["addition"]["accuracy"].get(str(k))
     rho = lambda rep, k: rep["addition"].get("spectral_radius_answer", {}).get(str(k))  # at the answer positions
     from checkpoint import read_log
     n = lambda seeds, ok: f"{sum(ok(rep) for _, rep in seeds.values())} of {len(seeds)}"
-    left = lambda seeds: sum(plateau_exit(read_log(m["out_dir"])) is not None for m, _ in seeds.values())
+    logs = lambda seeds: [read_log(m["out_dir"]) for m, _ in seeds.values()]
+    left = lambda seeds: "n/a" if not all(logs(seeds)) else sum(plateau_exit(log) is not None for log in logs(seeds))
     lines = ["\n## What holds on how many seeds\n"]
     for name, seeds in runs.items():
         lines.append(f"- `{name}`: left the loss plateau (≥ 50% at {K} loops) on {left(seeds)} of {len(seeds)} seeds; "
