@@ -31,8 +31,8 @@ grad_clip = 0.0
 # the gradient through the last 4 loops only, so a deep step costs about as much as the baseline's
 loop_mu, loop_sigma, loop_max, grad_loops = 2.0, 0.7, 32, 4
 loop_start = 400              # a second curriculum: 4 loops until step 400, then sampled depths (Paper B samples
-                              # from step 0: here every run then stays on the loss plateau with the gradient
-                              # through the last 4 loops, and some with it through every loop: the study's rows
+                              # from step 0: here no run then reaches 50% at 4 loops with the gradient through
+                              # the last 4 loops, and some not with it through every loop: the study's rows
                               # sampling_from0 and sampling_from0_fullgrad, experiments/paper_b.md)
 stars_warmup = 400            # the penalty from the same step (Paper B: 2k of 10k steps)
 eval_interval = 250
