@@ -306,6 +306,8 @@ def provenance(runs, args):
     threads = {0: "torch's default threads", 1: "1 thread each"}.get(args.threads, f"{args.threads} threads each")
     argv = metas[0]["argv"]  # one run's own command, without where its run and data live (PLACES)
     shown = without_places(argv)
+    tail = shown[shown.index("--seed"):] if "--seed" in shown else []  # what follows a row's options (study.command)
+    template = shlex.join(["--seed", "S", *tail[2:]])
     dropped = [p for p in PLACES if any(a == p or a.startswith(p + "=") for a in argv)]
     report = next(iter(next(iter(runs.values())).values()))[1]
     offline = ("; these runs read WikiText-2 from local files, the text the hub serves"
@@ -322,8 +324,9 @@ def provenance(runs, args):
              f"{run_commits(runs)}, dated {dates[0]}" + (f" to {dates[-1]}" if dates[-1] != dates[0] else "") +
              f"; {'; '.join(sorted({m['machine'] for m in metas}))}; {args.jobs} at once, "
              f"{threads if args.device == 'cpu' else 'on ' + args.device}. {took}",
-             f"- **A run's command,** from its run.json (the first; the others differ in row and seed; shown without where its run and "
-             f"data live, {' and '.join(dropped) or 'nothing'}{offline}): `python train.py {shlex.join(shown)}`. One row and seed again: `python experiments/{args.study}.py "
+             f"- **A run's command,** from its run.json (the first; every run's is `python train.py OPTIONS {template}`, OPTIONS "
+             f"its row's under \"The recipes\"; shown without where its run and data live, {' and '.join(dropped) or 'nothing'}"
+             f"{offline}): `python train.py {shlex.join(shown)}`. One row and seed again: `python experiments/{args.study}.py "
              f"--rows ROW --seeds S --runs DIR --out DIR` (its runs and page in DIR, this page untouched).",
              "- **Settings:** every run's recorded settings are those its command, presets included, resolves to "
              "here (`study.settings_changed`).",
