@@ -204,7 +204,7 @@ class LoopLM(nn.Module):
             self.apply(self._init_weights)
 
     def _init_weights(self, module):
-        """The init decides whether Paper A's blind spot shows at small scale (README).
+        """The init sets the size of Paper A's scale gap at small scale (experiments/paper_a.md).
         pytorch: nothing to do, the modules keep torch's defaults, as in Paper A's public code:
             embeddings N(0, 1) (the tied head too), Linear layers Kaiming-uniform, U(±1/sqrt(fan_in)).
         normal:  every weight N(0, 0.02), biases 0, as in Paper B's public addition code.
