@@ -38,6 +38,7 @@ def plateau_exit(log):
 def page(runs, args):
     import matplotlib.pyplot as plt
     from checkpoint import read_log
+    from report import training_loops
     mr = study.mean_range
     depths = [k for k in DEPTHS if all(str(k) in rep["addition"]["accuracy"] for r in runs.values() for _, rep in r.values())]
     acc = lambda rep, k, proto="accuracy": rep["addition"].get(proto, {}).get(str(k))
@@ -47,8 +48,11 @@ def page(runs, args):
     K = next(iter(next(iter(runs.values())).values()))[1]["config"]["n_loops"]
     lines = ["# Paper B at CPU scale: addition at every depth\n", study.provenance(runs, args), *holds(runs, depths, K),
              *shared_start(runs)]
-    lines.append("\n## The recipes\n\n`python train.py` options; each run adds `--seed S`.\n")
-    lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
+    lines.append("\n## The recipes\n\n`python train.py` options; each run adds `--seed S`. Loops a step: the mean over the "
+                 "training steps' depths, all / with gradient (`report.training_loops`, seed 1's draws): the compute a "
+                 "recipe spends, which depth sampling raises.\n")
+    lines += [f"- `{name}`: `{ROWS[name]}` (loops a step: {training_loops(next(iter(seeds.values()))[1]['config'])})"
+              for name, seeds in runs.items()]
     lines.append("\nA seed fixes the initial weights and the problems (`train.step_streams`: each random stream has its "
                  "own generator): every recipe of one seed trains on the same problems in the same order, but "
                  "`no_curriculum`, which draws uniform problems where the others draw easy ones (until step 400).")
