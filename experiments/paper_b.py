@@ -10,7 +10,8 @@ The rows: config/addition_cpu.py (the fixed-4 baseline), Paper B's two ingredien
 sampling, then the Jacobian penalty), the penalty at the supervised positions only, the penalty alone at fixed
 depth (stars_fixed), the baseline without the preset's curriculum (no_curriculum), and depth sampling from step 0
 as in Paper B rather than from the preset's step 400 (sampling_from0), also with the gradient through every loop as
-in Paper B rather than the last 4 (sampling_from0_fullgrad). Every run is scored on the same held-out problems (strict: space,
+in Paper B rather than the last 4 (sampling_from0_fullgrad); and depth sampling capped at Paper B's 100 rather than
+the preset's 32 (sampling_cap100). Every run is scored on the same held-out problems (strict: space,
 digits and § teacher-forced, which equals greedy decoding) and on the first 100 by Paper B's own protocol.
 """
 import study
@@ -23,8 +24,9 @@ ROWS = {
     "stars_supervised": "config/addition_cpu.py --loop_sampling lognormal --stars_lambda 0.1 --stars_supervised",
     "stars_fixed": "config/addition_cpu.py --stars_lambda 0.1",                          # the penalty alone, 4 loops
     "sampling_from0": "config/addition_cpu.py --loop_sampling lognormal --loop_start 0",  # sampled from step 0, as Paper B
-    # ... and the gradient through every loop: Paper B's schedule, on this preset's model and problems
+    # ... and the gradient through every loop: Paper B's start and gradient, on this preset's model and problems
     "sampling_from0_fullgrad": "config/addition_cpu.py --loop_sampling lognormal --loop_start 0 --grad_loops 0",
+    "sampling_cap100": "config/addition_cpu.py --loop_sampling lognormal --loop_max 100",  # Paper B's cap, not 32
 }
 QUICK = "--max_iters 4 --loop_start 2 --stars_warmup 2 --eval_interval 2 --eval_problems 40 --eval_loops 4 --batch_size 16"
 DEPTHS = (1, 2, 4, 8, 16, 32, 64, 100)
