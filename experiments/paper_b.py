@@ -51,7 +51,7 @@ def page(runs, args):
     lines = ["# Paper B at CPU scale: addition at every depth\n", study.provenance(runs, args), *holds(runs, depths, K),
              *shared_start(runs)]
     lines.append("\n## The recipes\n\n`python train.py` options; each run adds `--seed S`. Loops a step: the mean over the "
-                 "training steps' depths, all / with gradient (`report.training_loops`, seed 1's draws): the compute a "
+                 "training steps' depths, all / with gradient (`report.training_loops`, the first seed's draws): the compute a "
                  "recipe spends, which depth sampling raises.\n")
     lines += [f"- `{name}`: `{ROWS[name]}` (loops a step: {training_loops(next(iter(seeds.values()))[1]['config'])})"
               for name, seeds in runs.items()]
