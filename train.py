@@ -225,7 +225,7 @@ def train(cfg, run, model, optimizer):
             lam = stars.lambda_at(it, cfg.stars_lambda, cfg.stars_warmup)
             penalty = stars.Penalty(lam, cfg.stars_mode, cfg.stars_rows, cfg.stars_iters, cfg.stars_supervised,
                                     g_penalty) if lam > 0 else None
-            logged = torch.zeros(4, device=run.device)  # loss, mean ‖H_K‖, signalled, ‖vᵀJ‖ (jvp mode: ‖Jv‖): read at log steps only
+            logged = torch.zeros(4, device=run.device)  # loss, mean ‖H_K‖, signalled, ‖vᵀJ‖: read at log steps
             for micro in range(cfg.gradient_accumulation_steps):
                 x, y = data.train_batch(cfg, run, g_batch, micro)
                 with run.ctx:

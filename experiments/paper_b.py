@@ -148,11 +148,11 @@ def holds(runs, depths, K):
     rho = lambda rep, k: rep["addition"].get("spectral_radius_answer", {}).get(str(k))  # at the answer positions
     from checkpoint import read_log
     n = lambda seeds, ok: f"{sum(ok(rep) for _, rep in seeds.values())} of {len(seeds)}"
-    logs = lambda seeds: [read_log(m["out_dir"]) for m, _ in seeds.values()]
-    left = lambda seeds: "n/a" if not all(logs(seeds)) else sum(plateau_exit(log) is not None for log in logs(seeds))
+    left = lambda logs: "n/a" if not all(logs) else sum(plateau_exit(log) is not None for log in logs)
     lines = ["\n## What holds on how many seeds\n"]
     for name, seeds in runs.items():
-        lines.append(f"- `{name}`: left the loss plateau (≥ 50% at {K} loops) on {left(seeds)} of {len(seeds)} seeds; "
+        logs = [read_log(m["out_dir"]) for m, _ in seeds.values()]
+        lines.append(f"- `{name}`: left the loss plateau (≥ 50% at {K} loops) on {left(logs)} of {len(seeds)} seeds; "
                      f"≥ 99% at its {K} loops on {n(seeds, lambda r: acc(r, K) >= 0.99)} seeds; "
                      f"≥ 99% at every depth from 2 to {max(k for k in depths if k <= 64)} on "
                      f"{n(seeds, lambda r: all(acc(r, k) >= 0.99 for k in range(2, min(64, depths[-1]) + 1)))}; "
