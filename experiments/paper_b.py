@@ -154,8 +154,8 @@ def holds(runs, depths, K):
         logs = [read_log(m["out_dir"]) for m, _ in seeds.values()]
         lines.append(f"- `{name}`: left the loss plateau (≥ 50% at {K} loops) on {left(logs)} of {len(seeds)} seeds; "
                      f"≥ 99% at its {K} loops on {n(seeds, lambda r: acc(r, K) >= 0.99)} seeds; "
-                     f"≥ 99% at every depth from 2 to {max(k for k in depths if k <= 64)} on "
-                     f"{n(seeds, lambda r: all(acc(r, k) >= 0.99 for k in range(2, min(64, depths[-1]) + 1)))}; "
+                     f"≥ 99% at every depth from {K} (trained) to {max(k for k in depths if k <= 64)} on "
+                     f"{n(seeds, lambda r: all(acc(r, k) >= 0.99 for k in range(K, min(64, depths[-1]) + 1)))}; "
                      f"below 10% at every depth from 16 loops on: {n(seeds, lambda r: all(acc(r, k) < 0.1 for k in depths if k >= 16))}"
                      + (f"; ρ < 1 at 64 loops: {n(seeds, lambda r: (rho(r, 64) or 1) < 1)}" if 64 in depths else "") + ".")
     for new, old in (("stars", "sampling"), ("stars_supervised", "stars")):  # a recipe against the one it extends
