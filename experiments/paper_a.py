@@ -141,10 +141,10 @@ def loop1_probe(meta, rep):
                 "ce1_no_h0": ce(d1), "h0_reads_input": (model.readout(h0, 1, K).argmax(-1) == x).float().mean().item()}
 
 
-def probe_slope(rep):
-    """The log-log slope of loop 4's relative step against the scale s ≥ 1 of its input: Lemma 2's regime, a state
+def probe_slope(rep, lo=1):
+    """The log-log slope of loop 4's relative step against the scale s ≥ lo of its input: Lemma 2's regime, a state
     scaled up (Lemma 2: −1 as s grows). The page's plot shows the whole probe, s from 1/64."""
-    big = [(s, v) for s, v in zip(SCALES, rep["per_loop"][3]["scale_probe"]) if s >= 1]
+    big = [(s, v) for s, v in zip(SCALES, rep["per_loop"][3]["scale_probe"]) if s >= lo]
     return float(np.polyfit(np.log([s for s, _ in big]), np.log([v for _, v in big]), 1)[0])
 
 
@@ -234,6 +234,12 @@ def claims(runs):
                    "as s grows)" + (f"; with it, {min(ln):+.2f} to {max(ln):+.2f}: the next loop reads RMSNorm(s·H), so "
                                     "its output does not depend on s, and the step relative to s·H rises toward 1."
                                     if ln else "."))
+        rows = [r for r in runs if "loop_norm" not in r]
+        flat = max(rows, key=lambda r: max(probe_slope(runs[r][s][1]) for s in runs[r]))
+        tail = [probe_slope(runs[r][s][1], 16) for r in rows for s in runs[r]]
+        out.append(f"- Over s from 16 to 64 alone the slope is {min(tail):+.2f} to {max(tail):+.2f} in the same "
+                   f"{len(tail)} runs: the flatter slopes above (`{flat}` the flattest) come from s near 1, where the "
+                   "update still depends on s (the second block reads the first one's output beside s·H_3).")
     flat = [(r, s) for r in runs if r.startswith(("norm-perloop", "nanogpt-norm-perloop")) for s in runs[r]]  # norm, per-loop
     if flat:
         scale = {r: sum(at(r, s)["norm_mean"] for s in runs[r]) / len(runs[r]) for r, _ in flat}

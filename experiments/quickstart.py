@@ -30,7 +30,9 @@ def page(runs, args):
     lines = ["# The quick start, timed\n", study.provenance(runs, args),
              "\nThe README's commands, one after another on the idle machine. PPL per byte at loop k of the 4-loop "
              "run (`report.json`)" + (f"; strict exact match (%) on {n_test:,} held-out problems at each depth" if n_test
-                                      else "") + ".\n", "| command | seconds | result |\n|---|---|---|"]
+                                      else "") + ". The addition rows are Paper B's study's seed 1 with torch's "
+             "default threads (there: one thread), which moves the last bits of a float sum, so their numbers may "
+             "differ a little from paper_b.md's.\n", "| command | seconds | result |\n|---|---|---|"]
     for name, seeds in runs.items():
         meta, rep = next(iter(seeds.values()))
         if "addition" in rep:
