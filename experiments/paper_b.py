@@ -103,14 +103,14 @@ def page(runs, args):
             lines.append(f"| {name} | {seed} | " + " | ".join(pct(acc(rep, k)) for k in (K, 64, 100) if k in depths)
                          + f" | {out if out is not None else 'never'} |" + (f" {dcells} |" if has_pos else "")
                          + f" {meta.get('wall_s', 0) / 60:.1f} |")
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9, 4))
     for name, seeds in runs.items():
         ks = sorted(int(k) for k in next(iter(seeds.values()))[1]["addition"]["accuracy"])
         vals = [[100 * acc(rep, k) for _, rep in seeds.values()] for k in ks]
         ax.plot(ks, [sum(v) / len(v) for v in vals], label=f"{name} (mean of {len(seeds)})")
         ax.fill_between(ks, [min(v) for v in vals], [max(v) for v in vals], alpha=0.2)
     ax.set(xlabel="loops at inference", ylabel="strict exact match (%)", xscale="log", title="addition, held out")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: the curves overlap at 1-8
     png = study.savefig(fig, args, "accuracy")
     lines.insert(2, f"\n![strict exact match against loops: seed mean, band min–max]({png})\n")
     return "\n".join(lines) + "\n", [png]
