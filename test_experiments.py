@@ -303,6 +303,6 @@ def test_every_number_in_the_readme_results_is_on_the_page_it_links():
     # and each number the guide's theory gives as found *Here* stands on a study page
     theory = readme[readme.index("\n## The two papers"):readme.index("\n## Where each idea")]
     pages = "".join(open(os.path.join(HERE, "experiments", p + ".md")).read() for p in ("paper_a", "paper_b", "depth"))
-    here = re.findall(r"\*Here[:,]\*(.*?)(?=\*Paper|\n)", theory)
+    here = re.findall(r"\*Here[^*]*\*(.*?)(?=\*Paper|\n)", theory)
     numbers = [n for part in here for n in re.findall(r"[+-]?\d+\.\d+(?:e[+-]\d+)?", part)]
     assert len(numbers) > 10 and not [n for n in numbers if n not in pages]

@@ -16,6 +16,7 @@ from looplm import SCALES
 ROWS = {
     "norm-terminal": "config/ablation_cpu.py --readout norm --no_per_loop_ce",
     "raw-terminal": "config/ablation_cpu.py --readout raw --no_per_loop_ce",
+    "norm-terminal-penalty": "config/ablation_cpu.py --readout norm --no_per_loop_ce --norm_penalty 0.01",  # Paper A's
     "norm-perloop": "config/ablation_cpu.py --readout norm --per_loop_ce",           # the failing baseline
     "raw-perloop": "config/ablation_cpu.py --readout raw --per_loop_ce",             # fix 1, the readout: raw
     "norm-perloop-penalty": "config/ablation_cpu.py --readout norm --per_loop_ce --norm_penalty 0.01",  # fix 2
@@ -208,11 +209,12 @@ def claims(runs):
                        f"{mr([logged_norm(m, 1) for m, _ in seeds.values()])} at the end; drift exponent over the second "
                        f"half {mr(b, '+.2f')}, still growing (b > 0.1) on {sum(x is not None and x > 0.1 for x in b)} of {len(b)} seeds"
                        f"{paper}.")
-    seeds = both("norm-perloop", "norm-perloop-penalty")
-    if seeds:
-        ratio = [at("norm-perloop", s)["norm_mean"] / at("norm-perloop-penalty", s)["norm_mean"] for s in seeds]
-        out.append(f"- The norm penalty keeps the scale down: ‖H_K‖ {mr([at('norm-perloop-penalty', s)['norm_mean'] for s in seeds])}, "
-                   f"{mr(ratio, '.0f')}x below `norm`; below it on {sum(r > 1 for r in ratio)} of {len(seeds)} seeds.")
+    for base, pen in (("norm-perloop", "norm-perloop-penalty"), ("norm-terminal", "norm-terminal-penalty")):
+        seeds = both(base, pen)
+        if seeds:
+            ratio = [at(base, s)["norm_mean"] / at(pen, s)["norm_mean"] for s in seeds]
+            out.append(f"- The norm penalty keeps the scale down: `{pen}`'s ‖H_K‖ {mr([at(pen, s)['norm_mean'] for s in seeds])}, "
+                       f"{mr(ratio, '.0f')}x below `{base}`'s; below it on {sum(r > 1 for r in ratio)} of {len(seeds)} seeds.")
     seeds = both("norm-perloop", "raw-perloop")
     if seeds:  # Lemma 2: a large scale freezes the loop (the step relative to the state shrinks as 1/scale)
         step = lambda row, s: at(row, s)["relative_step"]
@@ -255,14 +257,16 @@ def claims(runs):
                    "(Paper A: 1e-9 to 1e-8, ~1e-2).")
     for fix, base in (("raw-perloop", "norm-perloop"), ("final_norm-perloop", "norm-perloop"),
                       ("norm-perloop-penalty", "norm-perloop"), ("norm-perloop-loop_norm", "norm-perloop"),
-                      ("raw-terminal", "norm-terminal"), ("nanogpt-norm-perloop", "norm-perloop")):
+                      ("raw-terminal", "norm-terminal"), ("norm-terminal-penalty", "norm-terminal"),
+                      ("nanogpt-norm-perloop", "norm-perloop")):
         seeds = both(base, fix)
         if seeds:
             more = sum(gain(fix, s) < gain(base, s) for s in seeds)
             better = sum(at(fix, s)["ppl"] < at(base, s)["ppl"] for s in seeds)
-            out.append(f"- `{fix}`: ΔPPL 1→4 {mr([gain(fix, s) for s in seeds], '+.3f')} against `{base}`'s "
-                       f"{mr([gain(base, s) for s in seeds], '+.3f')}: gains more from its loops on {more} of "
-                       f"{len(seeds)} seeds; lower PPL at K = 4 ({mr([at(fix, s)['ppl'] for s in seeds], '.3f')} against "
+            loops = (f"ΔPPL 1→4 {mr([gain(fix, s) for s in seeds], '+.3f')} against `{base}`'s "
+                     f"{mr([gain(base, s) for s in seeds], '+.3f')}: gains more from its loops on {more} of {len(seeds)} seeds"
+                     if "perloop" in base else "terminal CE, so loops 1 to 3 are not trained to be read out")
+            out.append(f"- `{fix}`: {loops}; lower PPL at K = 4 ({mr([at(fix, s)['ppl'] for s in seeds], '.3f')} against "
                        f"{mr([at(base, s)['ppl'] for s in seeds], '.3f')}) on {better} of {len(seeds)}.")
     # (with loop_norm the next loop sees RMSNorm(H_k) whatever H_k's scale, so the clamp changes nothing: 0 by construction)
     clamp = [at(r, s)["clamp_delta_ce"] for r in runs if "perloop" in r and "raw" not in r and "loop_norm" not in r

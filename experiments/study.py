@@ -219,27 +219,27 @@ TRAINING_CODE = ("looplm.py", "stars.py", "train.py", "report.py", "data.py", "c
 def code_since(commits):
     """What changed in TRAINING_CODE between the commits and the working tree, in words: "unchanged", "changed in
     a.py (f, g: string constants only; +3 −1 lines), b.py (...)" naming the top-level functions and classes whose code
-    changed (": string constants only" where only those did: help text, messages, but also a key or a compared value)
-    and the lines git counts, or "... in comments and docstrings only" where the syntax trees without docstrings are
+    changed (": string constants only" where only those did: help text, messages, but also a key or a compared value),
+    those whose docstrings alone changed ("docstrings of h") and the lines git counts, or "... in comments and docstrings only" where the syntax trees without docstrings are
     the same."""
     import ast
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
 
-    def bare(source, strings=True):  # {top-level function or class: its syntax tree without docstrings (and, with
-        try:                             # strings=False, every string constant blanked)} (the rest: "module"), or None
-            tree = ast.parse(source)
+    def bare(source, strings=True, docs=False):  # {top-level function or class: its syntax tree without docstrings
+        try:                                        # (docs=True: with them; strings=False: every string constant
+            tree = ast.parse(source)                # blanked)} (the rest: "module"), or None
         except (SyntaxError, TypeError):
             return None
         for node in ast.walk(tree):
             body = getattr(node, "body", None)
-            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
+            if not docs and isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
                     getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
                 node.body = body[1:] or [ast.Pass()]
             if not strings and isinstance(node, ast.Constant) and isinstance(node.value, str):
                 node.value = ""
         parts = {n.name: ast.dump(n) for n in tree.body if hasattr(n, "name")}
         return {**parts, "module": "".join(ast.dump(n) for n in tree.body if not hasattr(n, "name"))}
-    changed, cosmetic = {}, set()
+    changed, cosmetic, docs = {}, set(), {}
     for c in commits:
         rev = c.split("+")[0]
         r = git("diff", "--name-only", rev, "--", *TRAINING_CODE)
@@ -249,6 +249,10 @@ def code_since(commits):
             old, path = git("show", f"{rev}:{f}"), os.path.join(ROOT, f)
             src = open(path).read() if os.path.exists(path) else None
             then, now = bare(old.stdout) if old.returncode == 0 else None, bare(src) if src is not None else None
+            if then is not None and now is not None:  # the names whose docstrings alone changed
+                full_then, full_now = bare(old.stdout, docs=True), bare(src, docs=True)
+                docs.setdefault(f, set()).update(k for k in {**full_then, **full_now} if k != "module" and
+                                                 full_then.get(k) != full_now.get(k) and then.get(k) == now.get(k))
             if then is not None and then == now:
                 cosmetic.add(f)
             else:
@@ -264,7 +268,9 @@ def code_since(commits):
     first = oldest(commits)  # the diff's lines, counted from the earliest run commit (binary files: "-", left out)
     numstat = lambda f: git("diff", "--numstat", first, "--", f).stdout.split()[:2]
     count = lambda f: (lambda n: f"+{n[0]} −{n[1]} lines" if len(n) == 2 and all(x.isdigit() for x in n) else "")(numstat(f))
-    names = lambda f: ", ".join(k + (": string constants only" if only else "") for k, only in sorted(changed[f].items()))
+    names = lambda f: ", ".join([k + (": string constants only" if only else "") for k, only in sorted(changed[f].items())]
+                                + ([f"docstrings of {', '.join(sorted(docs[f] - set(changed[f])))}"]
+                                   if docs.get(f, set()) - set(changed[f]) else []))
     where = ", ".join(f + f" ({'; '.join(x for x in (names(f), count(f)) if x)})" if f.endswith(".py") else f
                       for f in sorted(changed))
     return ((f"changed in {where}" if changed else "unchanged") +
