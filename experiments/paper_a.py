@@ -1,5 +1,5 @@
 """
-Paper A (the readout blind spot) at CPU scale: the ablation on WikiText-2 bytes, ten rows on three seeds.
+Paper A (the readout blind spot) at CPU scale: the ablation on WikiText-2 bytes, eleven rows on three seeds.
 
     python experiments/paper_a.py                         # every row on seeds 1-3, two runs at once: paper_a.md
     python experiments/paper_a.py --train_args "--data_dir DIR"   # offline: a folder of WikiText-2's valid.txt, test.txt
