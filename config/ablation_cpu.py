@@ -1,6 +1,6 @@
 # Paper A's ablation at CPU scale on real text: WikiText-2 as bytes (train on the small test split, evaluate
 # on valid), Paper A's recipe otherwise: torch's default init, constant LR with no warm-up, AdamW wd 0.01,
-# clip 1.0, windows every half-window in shuffled epochs. Ten rows of it on three seeds, with each run's time:
+# clip 1.0, windows every half-window in shuffled epochs. Eleven rows of it on three seeds, with each run's time:
 # experiments/paper_a.md.
 # python train.py config/ablation_cpu.py --readout raw --per_loop_ce --out_dir out-ablation/raw-perloop
 # (offline: add --data_dir DIR, a folder holding WikiText-2's valid.txt and test.txt)

@@ -81,6 +81,8 @@ def page(runs, args):
         for name, seeds in runs.items():
             lines.append(f"| {name} | {len(seeds)} | " + " | ".join(col(seeds, f, fmt) for _, f, fmt in cols) + " |")
     fig, ax = plt.subplots(1, 3, figsize=(15, 3.8))
+    for a in ax:  # 20 colours, each row its own (matplotlib's default cycle repeats after 10)
+        a.set_prop_cycle(color=plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2])
     curves = []  # the PPL axis: linear, to 1.25x the worst PPL at K (a terminal row's loop 1 runs off it)
     for name, seeds in runs.items():
         ks = [r["k"] for r in next(iter(seeds.values()))[1]["per_loop"]]
