@@ -208,7 +208,7 @@ class LoopLM(nn.Module):
         pytorch: nothing to do, the modules keep torch's defaults, as in Paper A's public code:
             embeddings N(0, 1) (the tied head too), Linear layers Kaiming-uniform, U(±1/sqrt(fan_in)).
         normal:  every weight N(0, 0.02), biases 0, as in Paper B's public addition code.
-        nanogpt: N(0, 0.02), residual projections shrunk by the number of effective layers n_layer·K."""
+        nanogpt: N(0, 0.02), residual projections' std divided by sqrt(2·n_layer·K), K loops of n_layer blocks."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
             std = 0.02
             if self.config.init == "nanogpt" and getattr(module, "residual", False):
