@@ -27,13 +27,15 @@ ROWS = {
     # ... and the gradient through every loop: Paper B's start and gradient, on this preset's model and problems
     "sampling_from0_fullgrad": "config/addition_cpu.py --loop_sampling lognormal --loop_start 0 --grad_loops 0",
     "sampling_cap100": "config/addition_cpu.py --loop_sampling lognormal --loop_max 100",  # Paper B's cap, not 32
+    "sampling_fullgrad": "config/addition_cpu.py --loop_sampling lognormal --grad_loops 0",  # every loop's gradient
 }
 QUICK = "--max_iters 4 --loop_start 2 --stars_warmup 2 --eval_interval 2 --eval_problems 40 --eval_loops 4 --batch_size 16"
 DEPTHS = (1, 2, 4, 8, 16, 32, 64, 100)
 
 
 def plateau_exit(log):
-    """The first evaluation step with ≥ 50% strict exact match at the trained depth (None: never)."""
+    """The first evaluation step with ≥ 50% strict exact match at the trained depth (None: never). An addition
+    run logs val_loss = 1 − that exact match (report.evaluate), so it is val_loss ≤ 0.5."""
     return next((r["iter"] for r in log if "val_loss" in r and r["val_loss"] <= 0.5), None)
 
 
