@@ -28,6 +28,7 @@ ROWS = {
     "sampling_from0_fullgrad": "config/addition_cpu.py --loop_sampling lognormal --loop_start 0 --grad_loops 0",
     "sampling_cap100": "config/addition_cpu.py --loop_sampling lognormal --loop_max 100",  # Paper B's cap, not 32
     "sampling_fullgrad": "config/addition_cpu.py --loop_sampling lognormal --grad_loops 0",  # every loop's gradient
+    "stars_fullgrad": "config/addition_cpu.py --loop_sampling lognormal --grad_loops 0 --stars_lambda 0.1",
 }
 QUICK = "--max_iters 4 --loop_start 2 --stars_warmup 2 --eval_interval 2 --eval_problems 40 --eval_loops 4 --batch_size 16"
 DEPTHS = (1, 2, 4, 8, 16, 32, 64, 100)
@@ -161,8 +162,9 @@ def holds(runs, depths, K):
                      f"{n(seeds, lambda r: all(acc(r, k) >= 0.99 for k in range(K, min(64, depths[-1]) + 1)))}; "
                      f"below 10% at every depth from 16 loops on: {n(seeds, lambda r: all(acc(r, k) < 0.1 for k in depths if k >= 16))}"
                      + (f"; ρ < 1 at 64 loops: {n(seeds, lambda r: (rho(r, 64) or 1) < 1)}" if 64 in depths else "") + ".")
-    for new, old in (("stars", "sampling"), ("stars_supervised", "stars")):  # a recipe against the one it extends
-        for k in (64, 100) if {new, old} <= runs.keys() else ():
+    for new, old in (("stars", "sampling"), ("stars_supervised", "stars"), ("sampling_fullgrad", "sampling"),
+                     ("stars_fullgrad", "sampling_fullgrad"), ("stars_fullgrad", "stars")):
+        for k in (32, 64, 100) if {new, old} <= runs.keys() else ():  # a recipe against the one it changes
             both = [s for s in runs[new] if s in runs[old]]
             if k in depths and both:
                 m = {name: sum(acc(runs[name][s][1], k) for s in both) / len(both) for name in (new, old)}
