@@ -11,7 +11,8 @@ sampling, then the Jacobian penalty), the penalty at the supervised positions on
 depth (stars_fixed), the baseline without the preset's curriculum (no_curriculum), and depth sampling from step 0
 as in Paper B rather than from the preset's step 400 (sampling_from0), also with the gradient through every loop as
 in Paper B rather than the last 4 (sampling_from0_fullgrad); and depth sampling capped at Paper B's 100 rather than
-the preset's 32 (sampling_cap100). Every run is scored on the same held-out problems (strict: space,
+the preset's 32 (sampling_cap100); and sampling, then STARS, from the preset's step 400 with the gradient through
+every loop, Paper B's (sampling_fullgrad, stars_fullgrad). Every run is scored on the same held-out problems (strict: space,
 digits and § teacher-forced, which equals greedy decoding) and on the first 100 by Paper B's own protocol.
 """
 import study
