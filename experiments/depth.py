@@ -205,9 +205,10 @@ def page(runs, args):
         lines.append(f"| {name} | " + " | ".join(cell(k) for k in ks) + " |")
     lines += rhos
     fig, ax = plt.subplots(figsize=(8, 5))
+    colours = plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2]  # neighbours in the legend far apart in hue
     for i, (name, pts) in enumerate(points(runs).items()):  # (cost, rise) per seed: the goal's own axes
         if pts:
-            ax.scatter(*zip(*pts.values()), label=name, color=plt.get_cmap("tab20")(i % 20),
+            ax.scatter(*zip(*pts.values()), label=name, color=colours[i % len(colours)],
                        marker="*" if name in BASELINES else "o")
     if not ax.collections:  # no recipe has a fixed-depth baseline of its seed and steps: no cost to plot
         ax.text(0.5, 0.5, "no baseline run of the same seed and steps: no cost", ha="center", transform=ax.transAxes)

@@ -59,9 +59,10 @@ def page(runs, args):
                  "recipe spends, which depth sampling raises.\n")
     lines += [f"- `{name}`: `{ROWS[name]}` (loops a step: {training_loops(next(iter(seeds.values()))[1]['config'])})"
               for name, seeds in runs.items()]
-    lines.append("\nA seed fixes the initial weights and the problems (`train.step_streams`: each random stream has its "
-                 "own generator): every recipe of one seed trains on the same problems in the same order, but "
-                 "`no_curriculum`, which draws uniform problems where the others draw easy ones (until step 400).")
+    lines.append("\nA seed fixes the initial weights and each step's problems, depth, STARS direction and dropout "
+                 "(`train.step_streams`: each random stream has its own generator): every recipe of one seed trains on "
+                 "the same problems in the same order, but `no_curriculum`, which draws uniform problems where the "
+                 "others draw easy ones until step 400 (the same ones after), and dropout masks agree while depths do.")
     for proto, title in (("accuracy", f"Strict exact match (%, {n_test:,} held-out problems: space, digits and § right)"),
                          ("accuracy_public", "Paper B's protocol (%, first 100 problems, greedy for the answer's "
                                              "length, digits compared as an integer)")):
