@@ -289,20 +289,22 @@ def test_every_number_in_the_readme_results_is_on_the_page_it_links():
     # the README's results are the pages' numbers, copied: each decimal in a study's summary (and in the quick
     # start's line) stands, sign and digits, on a page that summary links (the studies' pages are generated)
     import re
-    readme = open(os.path.join(HERE, "README.md")).read()
+    number = r"(?<![\w.])[+-]?\d+\.\d+(?:e[+-]\d+)?(?!\d)"  # "−" is read as "-": a sign is checked too
+    on = lambda n, text: re.search(r"(?<![\d.])" + re.escape(n) + r"(?![\d])", text)  # "9.8" is not in "99.8"
+    read = lambda *pages: "".join(open(os.path.join(HERE, "experiments", p + ".md")).read() for p in pages).replace("−", "-")
+    readme = open(os.path.join(HERE, "README.md")).read().replace("−", "-")
     start = readme.index("\n## Quick start")
     sections = [readme[start:readme.index("\n## Tests")]] + readme.split("\n## Results")[1].split("\n### ")
     checked = 0
     for part in sections:
         pages = sorted(set(re.findall(r"\(experiments/(\w+)\.md\)", part))) or ["quickstart", "paper_a", "paper_b", "depth"]
-        text = "".join(open(os.path.join(HERE, "experiments", p + ".md")).read() for p in pages)
-        for number in re.findall(r"[+-]?\d+\.\d+", part):
-            assert number in text, f"README's {number} is on none of {pages}"
+        text = read(*pages)
+        for n in re.findall(number, part):
+            assert on(n, text), f"README's {n} is on none of {pages}"
             checked += 1
     assert checked > 40
     # and each number the guide's theory gives as found *Here* stands on a study page
     theory = readme[readme.index("\n## The two papers"):readme.index("\n## Where each idea")]
-    pages = "".join(open(os.path.join(HERE, "experiments", p + ".md")).read() for p in ("paper_a", "paper_b", "depth"))
-    here = re.findall(r"\*Here[^*]*\*(.*?)(?=\*Paper|\n)", theory)
-    numbers = [n for part in here for n in re.findall(r"[+-]?\d+\.\d+(?:e[+-]\d+)?", part)]
-    assert len(numbers) > 10 and not [n for n in numbers if n not in pages]
+    text = read("paper_a", "paper_b", "depth")
+    numbers = [n for part in re.findall(r"\*Here[^*]*\*(.*?)(?=\*Paper|\n)", theory) for n in re.findall(number, part)]
+    assert len(numbers) > 10 and not [n for n in numbers if not on(n, text)]

@@ -28,10 +28,9 @@ min_lr = 0.0
 weight_decay = 0.01
 grad_clip = 0.0
 # Paper B's depth distribution, LogNormal(2, 0.7), capped at 32 (Paper B: 100; P(t >= 32) = 1.9%), with
-# the gradient through the last 4 loops only, so a deep step's backward costs about the baseline's
-loop_mu, loop_sigma, loop_max, grad_loops = 2.0, 0.7, 32, 4   # the gradient through the last 4 loops (Paper B:
-                              # every loop, 0): cheaper, but it costs depth past 32 loops (experiments/paper_b.md,
-                              # rows sampling_fullgrad and stars_fullgrad, run after the others)
+# the gradient through the last 4 loops only (Paper B: every loop, grad_loops 0), so a deep step's backward costs
+# about the baseline's; it costs depth past 32 loops (experiments/paper_b.md, rows sampling_fullgrad, stars_fullgrad)
+loop_mu, loop_sigma, loop_max, grad_loops = 2.0, 0.7, 32, 4
 loop_start = 400              # a second curriculum: 4 loops until step 400, then sampled depths (Paper B samples
                               # from step 0: here no run then reaches 50% at 4 loops with the gradient through
                               # the last 4 loops, and some not with it through every loop: the study's rows

@@ -31,7 +31,7 @@ ROWS = {
     "mean4-2400": f"{P} {LONG}",
 }
 PARTS = {  # a recipe's name is its parts, joined by "-": the page's key to the names
-    "baseline": "fixed 4 loops", "mean4": "depth sampled around 4 loops (the preset)",
+    "baseline": "fixed 4 loops", "mean4": "depth sampled from LogNormal(1.14, 0.7) ≤ 32, mean 4 loops (the preset)",
     "deep": "Paper B's depth distribution, LogNormal(2, 0.7), capped at 32, gradient through the last 4 loops (Paper "
             "B: up to 100, through every loop)",
     "raw": "raw readout", "penalty": "the norm penalty", "loopnorm": "`--loop_norm`, RMSNorm between loops",

@@ -16,7 +16,7 @@ from looplm import SCALES
 ROWS = {
     "norm-terminal": "config/ablation_cpu.py --readout norm --no_per_loop_ce",
     "raw-terminal": "config/ablation_cpu.py --readout raw --no_per_loop_ce",
-    "norm-terminal-penalty": "config/ablation_cpu.py --readout norm --no_per_loop_ce --norm_penalty 0.01",  # Paper A's
+    "norm-terminal-penalty": "config/ablation_cpu.py --readout norm --no_per_loop_ce --norm_penalty 0.01",  # its fix 2
     "norm-perloop": "config/ablation_cpu.py --readout norm --per_loop_ce",           # the failing baseline
     "raw-perloop": "config/ablation_cpu.py --readout raw --per_loop_ce",             # fix 1, the readout: raw
     "norm-perloop-penalty": "config/ablation_cpu.py --readout norm --per_loop_ce --norm_penalty 0.01",  # fix 2
@@ -38,7 +38,8 @@ def page(runs, args):
     probed = lambda key, scale=1: lambda r, m: None if probes[m["out_dir"]] is None else probes[m["out_dir"]][key] * scale
     col = lambda seeds, f, fmt: mr([f(rep, meta) for meta, rep in seeds.values()], fmt)
     last = lambda rep: rep["per_loop"][-1]
-    ppl = lambda k: lambda rep, _: rep["per_loop"][k - 1]["ppl"]
+    trained = lambda rep, k: rep["config"]["per_loop_ce"] or k == len(rep["per_loop"])  # terminal CE: loop K only
+    ppl = lambda k: lambda rep, _: rep["per_loop"][k - 1]["ppl"] if trained(rep, k) else None
     scale = [("‖H_1‖ mean", lambda r, _: r["per_loop"][0]["norm_mean"], ".1f"),
              ("‖H_K‖ mean", lambda r, _: last(r)["norm_mean"], ".1f"), ("‖H_K‖ p99", lambda r, _: last(r)["norm_p99"], ".1f"),
              ("logged ‖H_K‖ at 10%", lambda r, m: logged_norm(m, 0.1), ".1f"), ("at the end", lambda r, m: logged_norm(m, 1), ".1f"),
@@ -46,7 +47,8 @@ def page(runs, args):
              ("radial fraction", lambda r, _: last(r)["radial_fraction"], ".1e"),
              ("clamp ΔCE", lambda r, _: last(r)["clamp_delta_ce"], "+.4f")]
     loops = [*[(f"PPL at loop {k}", ppl(k), ".3f") for k in (1, 2, 3, 4)],
-             ("ΔPPL 1→4", lambda r, _: r["per_loop"][3]["ppl"] - r["per_loop"][0]["ppl"], "+.3f"),
+             ("ΔPPL 1→4", lambda r, _: r["per_loop"][3]["ppl"] - r["per_loop"][0]["ppl"] if trained(r, 1) else None,
+              "+.3f"),
              ("relative step at loop 4", lambda r, _: r["per_loop"][3]["relative_step"], ".1e"),
              ("Lemma 2 slope (s ≥ 1)", lambda r, _: probe_slope(r), "+.2f")]
     lines = ["# Paper A at CPU scale: the readout blind spot\n", study.provenance(runs, args),
@@ -63,7 +65,7 @@ def page(runs, args):
                "own readout (`looplm.radial_fraction`; Lemma 1: 0 through RMSNorm); clamp ΔCE: CE with every loop's "
                "state rescaled to its loop-1 RMS, minus CE (≈ 0: the scale carried no information).", scale),
               ("What the loops do", "PPL per byte at loop k: Paper A's early-exit curve (loop k read out in the 4-loop "
-               "run). Relative step at loop 4: ‖H_4 − H_3‖/‖H_3‖ per token, averaged (`looplm.relative_step`), which "
+               "run; n/a where terminal CE leaves loop k untrained as a readout). Relative step at loop 4: ‖H_4 − H_3‖/‖H_3‖ per token, averaged (`looplm.relative_step`), which "
                "bounds how far loop 4 turns the state's direction (Lemma 2). Lemma 2 slope: loop 4 run from its input "
                "rescaled, s·H_3 (`looplm.scale_probe`), the log-log slope of its relative step against s for s from 1 to "
                "64 (Lemma 2: −1 as s grows; the plot shows s from 1/64).", loops))
@@ -242,8 +244,9 @@ def claims(runs):
         flat = max(rows, key=lambda r: max(probe_slope(runs[r][s][1]) for s in runs[r]))
         tail = [probe_slope(runs[r][s][1], 16) for r in rows for s in runs[r]]
         out.append(f"- Over s from 16 to 64 alone the slope is {min(tail):+.2f} to {max(tail):+.2f} in the same "
-                   f"{len(tail)} runs: the flatter slopes above (`{flat}` the flattest) come from s near 1, where the "
-                   "update still depends on s (the second block reads the first one's output beside s·H_3).")
+                   f"{len(tail)} runs" + (f": the flatter slopes above (`{flat}` the flattest) come from s near 1, "
+                   "where the update still depends on s (each sublayer after the first reads earlier sublayers' "
+                   "outputs beside s·H_3)." if max(tail) < max(pre) else "."))
     # norm readout, per-loop CE, the scale carried into the next loop (with loop_norm the next loop sees RMSNorm(H_k))
     flat = [(r, s) for r in runs if r.startswith(("norm-perloop", "nanogpt-norm-perloop")) and "loop_norm" not in r
             for s in runs[r]]

@@ -94,8 +94,10 @@ def page(runs, args):
     lines.append(f"\n## Each seed: strict exact match (%) at {K}, 64 and 100 loops; when it left the plateau\n")
     lines.append("On the loss plateau the model gets the space and the last answer position right and every other digit "
                  "at chance. \"left\" is the first evaluation with ≥ 50% strict exact match at the trained depth; a seed that "
-                 "never reaches it may still have learnt some digits (its last column).\n")
+                 "never reaches it may still have learnt some digits.\n")
     has_pos = any("answer_positions" in rep["addition"] for r in runs.values() for _, rep in r.values())
+    if has_pos:
+        lines[-1] = lines[-1][:-2] + " (the column \"each answer digit right\").\n"
     lines.append("| recipe | seed | " + " | ".join(f"{k} loops" for k in (K, 64, 100) if k in depths)
                  + " | left the plateau at step |" + (" each answer digit right at the end, units first (%) |" if has_pos
                                                         else "") + " wall (min) |")
@@ -110,6 +112,7 @@ def page(runs, args):
                          + f" | {out if out is not None else 'never'} |" + (f" {dcells} |" if has_pos else "")
                          + f" {meta.get('wall_s', 0) / 60:.1f} |")
     fig, ax = plt.subplots(figsize=(9, 4))
+    ax.set_prop_cycle(color=plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2])  # a colour per row past 10
     for name, seeds in runs.items():
         ks = sorted(int(k) for k in next(iter(seeds.values()))[1]["addition"]["accuracy"])
         vals = [[100 * acc(rep, k) for _, rep in seeds.values()] for k in ks]
@@ -149,7 +152,7 @@ def shared_start(runs, base="baseline"):
 
 def holds(runs, depths, K):
     """What holds on how many seeds, counted from the reports (the plateau: from the logs): per recipe, then a recipe
-    against the one it extends."""
+    against the one it changes."""
     acc = lambda rep, k: rep["addition"]["accuracy"].get(str(k))
     rho = lambda rep, k: rep["addition"].get("spectral_radius_answer", {}).get(str(k))  # at the answer positions
     from checkpoint import read_log
@@ -160,12 +163,12 @@ def holds(runs, depths, K):
         logs = [read_log(m["out_dir"]) for m, _ in seeds.values()]
         lines.append(f"- `{name}`: left the loss plateau (≥ 50% at {K} loops) on {left(logs)} of {len(seeds)} seeds; "
                      f"≥ 99% at its {K} loops on {n(seeds, lambda r: acc(r, K) >= 0.99)} seeds; "
-                     f"≥ 99% at every depth from {K} (trained) to {max(k for k in depths if k <= 64)} on "
+                     f"≥ 99% at every depth from the preset's K, {K}, to {max(k for k in depths if k <= 64)} on "
                      f"{n(seeds, lambda r: all(acc(r, k) >= 0.99 for k in range(K, min(64, depths[-1]) + 1)))}; "
                      f"below 10% at every depth from 16 loops on: {n(seeds, lambda r: all(acc(r, k) < 0.1 for k in depths if k >= 16))}"
                      + (f"; ρ < 1 at 64 loops: {n(seeds, lambda r: (rho(r, 64) or 1) < 1)}" if 64 in depths else "") + ".")
     for new, old in (("stars", "sampling"), ("stars_supervised", "stars"), ("sampling_fullgrad", "sampling"),
-                     ("stars_fullgrad", "sampling_fullgrad"), ("stars_fullgrad", "stars")):
+                     ("stars_fullgrad", "sampling_fullgrad"), ("stars_fullgrad", "stars"), ("stars", "sampling_fullgrad")):
         for k in (32, 64, 100) if {new, old} <= runs.keys() else ():  # a recipe against the one it changes
             both = [s for s in runs[new] if s in runs[old]]
             if k in depths and both:

@@ -220,8 +220,8 @@ def code_since(commits):
     """What changed in TRAINING_CODE between the commits and the working tree, in words: "unchanged", "changed in
     a.py (f, g: string constants only; +3 −1 lines), b.py (...)" naming the top-level functions and classes whose code
     changed (": string constants only" where only those did: help text, messages, but also a key or a compared value),
-    those whose docstrings alone changed ("docstrings of h") and the lines git counts, or "... in comments and docstrings only" where the syntax trees without docstrings are
-    the same."""
+    those whose docstrings alone changed ("docstrings of h") and the lines git counts, or "... in comments and
+    docstrings only" where the syntax trees without docstrings are the same."""
     import ast
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
 
