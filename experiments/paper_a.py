@@ -85,12 +85,13 @@ def page(runs, args):
     fig, ax = plt.subplots(1, 3, figsize=(15, 3.8))
     for a in ax:  # 20 colours, each row its own (matplotlib's default cycle repeats after 10)
         a.set_prop_cycle(color=plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2])
-    curves = []  # the PPL axis: linear, to 1.25x the worst PPL at K (a terminal row's loop 1 runs off it)
+    curves = []  # the PPL axis: linear, to 1.25x the worst PPL at K; a terminal-CE row is a point at loop K
     for name, seeds in runs.items():
         ks = [r["k"] for r in next(iter(seeds.values()))[1]["per_loop"]]
         mean = lambda key: [sum(rep["per_loop"][k - 1][key] for _, rep in seeds.values()) / len(seeds) for k in ks]
-        curves.append(mean("ppl"))
-        ax[0].plot(ks, curves[-1], "o-", label=name)
+        at = [i for i, k in enumerate(ks) if all(trained(rep, k) for _, rep in seeds.values())]
+        curves.append([mean("ppl")[i] for i in at])
+        ax[0].plot([ks[i] for i in at], curves[-1], "o-", label=name)
         ax[1].semilogy(ks, mean("norm_mean"), "o-", label=name)
         reps = [rep for _, rep in seeds.values()]
         at3 = sum(rep["per_loop"][2]["norm_mean"] for rep in reps) / len(reps)  # ‖H_3‖: where s = 1 sits
