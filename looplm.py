@@ -47,7 +47,7 @@ class LoopLMConfig:
     per_loop_ce: bool = setting(False, "train every loop's readout: mean_k CE_k (else CE_K only)")
     norm_penalty: float = setting(0.0, "Paper A's fix: loss += λ·mean_k mean(H_k²) (the paper: 0.01)", lo=0.0, hi=1e6)
     loop_norm: bool = setting(False, "RMSNorm the state on the recurrent path between loops (Ouro-style, "
-                              "arXiv 2510.25741; Paper A names it, its runs do not use it)")
+                              "arXiv 2510.25741; Paper A names it, its reported runs do not use it)")
     loop_damping: float = setting(1.0, "α of a damped loop, H_k = H_{k-1} + α·(F(H_{k-1}) − H_{k-1}) for k ≥ 2 (1: the plain "
                                   "loop)", above=0.0, hi=1.0)
     block_norm: str = setting("pre", "pre: x+f(N(x)) | post: N(x+f(x)) | sandwich: N'(x+f(N(x))), Paper B's",
@@ -250,7 +250,7 @@ class LoopLM(nn.Module):
 
     def carry(self, h):
         """What the recurrent path carries from loop k into loop k+1: H_k itself, or with loop_norm
-        RMSNorm_loop(H_k), so that no scale is carried into the next loop (Paper A's third route). As in Paper
+        RMSNorm_loop(H_k), so that no scale is carried into the next loop (Paper A's fix 3, its third route). As in Paper
         A's public code, the H_k that is read out, penalized and measured is the one before this
         norm (normalizing it again at the readout would be a double normalization)."""
         return self.ln_loop(h) if self.config.loop_norm else h

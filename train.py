@@ -185,8 +185,8 @@ STREAMS = ("depth", "batch", "v", "dropout")
 def stream_seed(seed, it, stream, rank=0):
     """The seed of one random stream of step `it`. Within a seed, a different number for each step below 2^22,
     stream and rank (< 256) in its low 32 bits, the only ones torch's CPU generator keeps. A new name in STREAMS
-    changes len(STREAMS) and with it every stream's seed, so recorded runs would no longer replay (a new penalty
-    can draw from the "v" generator after STARS's direction instead)."""
+    changes len(STREAMS) and with it every stream's seed, so recorded runs would no longer replay (seed a new
+    generator from an existing stream's seed XOR a constant instead)."""
     return (((seed * 1_000_003 + it) * 256 + rank) * len(STREAMS) + STREAMS.index(stream)) % 2**64
 
 

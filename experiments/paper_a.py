@@ -38,7 +38,7 @@ def page(runs, args):
     probed = lambda key, scale=1: lambda r, m: None if probes[m["out_dir"]] is None else probes[m["out_dir"]][key] * scale
     col = lambda seeds, f, fmt: mr([f(rep, meta) for meta, rep in seeds.values()], fmt)
     last = lambda rep: rep["per_loop"][-1]
-    trained = lambda rep, k: rep["config"]["per_loop_ce"] or k == len(rep["per_loop"])  # terminal CE: loop K only
+    trained = lambda rep, k: rep["config"].get("per_loop_ce", False) or k == rep["config"]["n_loops"]  # terminal: K only
     ppl = lambda k: lambda rep, _: rep["per_loop"][k - 1]["ppl"] if trained(rep, k) else None
     scale = [("‖H_1‖ mean", lambda r, _: r["per_loop"][0]["norm_mean"], ".1f"),
              ("‖H_K‖ mean", lambda r, _: last(r)["norm_mean"], ".1f"), ("‖H_K‖ p99", lambda r, _: last(r)["norm_p99"], ".1f"),
