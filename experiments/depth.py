@@ -205,7 +205,7 @@ def page(runs, args):
         lines.append(f"| {name} | " + " | ".join(cell(k) for k in ks) + " |")
     lines += rhos
     fig, ax = plt.subplots(figsize=(8, 5))
-    colours = plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2]  # neighbours in the legend far apart in hue
+    colours = study.colours()
     for i, (name, pts) in enumerate(points(runs).items()):  # (cost, rise) per seed: the goal's own axes
         if pts:
             ax.scatter(*zip(*pts.values()), label=name, color=colours[i % len(colours)],

@@ -38,7 +38,6 @@ def page(runs, args):
     probed = lambda key, scale=1: lambda r, m: None if probes[m["out_dir"]] is None else probes[m["out_dir"]][key] * scale
     col = lambda seeds, f, fmt: mr([f(rep, meta) for meta, rep in seeds.values()], fmt)
     last = lambda rep: rep["per_loop"][-1]
-    trained = lambda rep, k: rep["config"].get("per_loop_ce", False) or k == rep["config"]["n_loops"]  # terminal: K only
     ppl = lambda k: lambda rep, _: rep["per_loop"][k - 1]["ppl"] if trained(rep, k) else None
     scale = [("‖H_1‖ mean", lambda r, _: r["per_loop"][0]["norm_mean"], ".1f"),
              ("‖H_K‖ mean", lambda r, _: last(r)["norm_mean"], ".1f"), ("‖H_K‖ p99", lambda r, _: last(r)["norm_p99"], ".1f"),
@@ -83,14 +82,14 @@ def page(runs, args):
         for name, seeds in runs.items():
             lines.append(f"| {name} | {len(seeds)} | " + " | ".join(col(seeds, f, fmt) for _, f, fmt in cols) + " |")
     fig, ax = plt.subplots(1, 3, figsize=(15, 3.8))
-    for a in ax:  # 20 colours, each row its own (matplotlib's default cycle repeats after 10)
-        a.set_prop_cycle(color=plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2])
+    for a in ax:
+        a.set_prop_cycle(color=study.colours())
     curves = []  # the PPL axis: linear, to 1.25x the worst PPL at K; a terminal-CE row is a point at loop K
     for name, seeds in runs.items():
         ks = [r["k"] for r in next(iter(seeds.values()))[1]["per_loop"]]
         mean = lambda key: [sum(rep["per_loop"][k - 1][key] for _, rep in seeds.values()) / len(seeds) for k in ks]
-        at = [i for i, k in enumerate(ks) if all(trained(rep, k) for _, rep in seeds.values())]
-        curves.append([mean("ppl")[i] for i in at])
+        at, ppls = [i for i, k in enumerate(ks) if all(trained(rep, k) for _, rep in seeds.values())], mean("ppl")
+        curves.append([ppls[i] for i in at])
         ax[0].plot([ks[i] for i in at], curves[-1], "o-", label=name)
         ax[1].semilogy(ks, mean("norm_mean"), "o-", label=name)
         reps = [rep for _, rep in seeds.values()]
@@ -107,6 +106,11 @@ def page(runs, args):
     png = study.savefig(fig, args, "ppl_norms")
     lines.insert(2, f"\n![PPL and ‖H_k‖ by loop, seed means]({png})\n")
     return "\n".join(lines) + "\n", [png]
+
+
+def trained(rep, k):
+    """Whether loop k's readout was trained: every loop with per-loop CE, only loop K with terminal CE."""
+    return rep["config"].get("per_loop_ce", False) or k == rep["config"]["n_loops"]
 
 
 def logged_norm(meta, frac):
@@ -242,10 +246,10 @@ def claims(runs):
                                     "its output does not depend on s, and the step relative to s·H rises toward 1."
                                     if ln else "."))
         rows = [r for r in runs if "loop_norm" not in r]
-        flat = max(rows, key=lambda r: max(probe_slope(runs[r][s][1]) for s in runs[r]))
+        flattest = max(rows, key=lambda r: max(probe_slope(runs[r][s][1]) for s in runs[r]))
         tail = [probe_slope(runs[r][s][1], 16) for r in rows for s in runs[r]]
         out.append(f"- Over s from 16 to 64 alone the slope is {min(tail):+.2f} to {max(tail):+.2f} in the same "
-                   f"{len(tail)} runs" + (f": the flatter slopes above (`{flat}` the flattest) come from s near 1, "
+                   f"{len(tail)} runs" + (f": the flatter slopes above (`{flattest}` the flattest) come from s near 1, "
                    "where the update still depends on s (each sublayer after the first reads earlier sublayers' "
                    "outputs beside s·H_3)." if max(tail) < max(pre) else "."))
     # norm readout, per-loop CE, the scale carried into the next loop (with loop_norm the next loop sees RMSNorm(H_k))
@@ -274,7 +278,7 @@ def claims(runs):
             better = sum(at(fix, s)["ppl"] < at(base, s)["ppl"] for s in seeds)
             loops = (f"ΔPPL 1→4 {mr([gain(fix, s) for s in seeds], '+.3f')} against `{base}`'s "
                      f"{mr([gain(base, s) for s in seeds], '+.3f')}: gains more from its loops on {more} of {len(seeds)} seeds"
-                     if "perloop" in base else "terminal CE, so loops 1 to 3 are not trained to be read out")
+                     if trained(runs[base][seeds[0]][1], 1) else "terminal CE, so loops 1 to 3 are not trained to be read out")
             out.append(f"- `{fix}`: {loops}; lower PPL at K = 4 ({mr([at(fix, s)['ppl'] for s in seeds], '.3f')} against "
                        f"{mr([at(base, s)['ppl'] for s in seeds], '.3f')}) on {better} of {len(seeds)}.")
     # (with loop_norm the next loop sees RMSNorm(H_k) whatever H_k's scale, so the clamp changes nothing: 0 by construction)

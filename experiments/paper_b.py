@@ -112,7 +112,7 @@ def page(runs, args):
                          + f" | {out if out is not None else 'never'} |" + (f" {dcells} |" if has_pos else "")
                          + f" {meta.get('wall_s', 0) / 60:.1f} |")
     fig, ax = plt.subplots(figsize=(9, 4))
-    ax.set_prop_cycle(color=plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2])  # a colour per row past 10
+    ax.set_prop_cycle(color=study.colours())
     for name, seeds in runs.items():
         ks = sorted(int(k) for k in next(iter(seeds.values()))[1]["addition"]["accuracy"])
         vals = [[100 * acc(rep, k) for _, rep in seeds.values()] for k in ks]

@@ -368,6 +368,13 @@ def write_page(args, text, figures=()):
     return path
 
 
+def colours():
+    """20 colours for a study's plot, one per row: tab20's dark shades, then its light ones (so rows next to each
+    other in the legend differ in hue; matplotlib's default cycle repeats after 10)."""
+    import matplotlib.pyplot as plt
+    return plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2]
+
+
 def savefig(fig, args, name):
     """A study's plot, beside its page; returns its file name (for the page's markdown link)."""
     name = f"{args.study}{'-quick' if args.quick else ''}_{name}.png"
