@@ -31,7 +31,7 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
         out.mkdir()  # its training log: ‖H_K‖ = norm · (step/100)^b, so the drift exponent is b
         (out / "log.jsonl").write_text("".join(json.dumps({"iter": i, "norm_K": norm * (i / 100) ** b}) + "\n"
                                                for i in steps))
-        return {"out_dir": str(out)}, {"per_loop": rows}
+        return {"out_dir": str(out)}, {"per_loop": rows, "config": {"per_loop_ce": True, "n_loops": 4}}
     runs = {"norm-perloop": {1: run(900.0, 9.0, 9.0, b=0.5), 2: run(700.0, 9.0, 9.1), 3: run(5.0, 9.0, 9.0)},
             "raw-perloop": {1: run(7.0, 11.0, 8.5, 2e-2, 0.1), 2: run(8.0, 11.0, 9.5, 3e-2, 0.1),
                             3: run(9.0, 11.0, 8.0, 1e-2, 0.1)}}
