@@ -4,8 +4,8 @@
 # 1,000 steps of 128 problems at learning rate 1e-3 (Paper B: 10k x 512 at 1e-4, on a GPU), easy problems
 # first (zero_digits_steps). Results on 5 seeds: experiments/paper_b.md.
 # python train.py config/addition_cpu.py                                     # baseline: fixed 4 loops
-# python train.py config/addition_cpu.py --loop_sampling lognormal           # Paper B's depth sampling
-# python train.py config/addition_cpu.py --loop_sampling lognormal --stars_lambda 0.1   # STARS
+# python train.py config/addition_cpu.py --loop_sampling lognormal           # Paper B's depth sampling (from step 400)
+# python train.py config/addition_cpu.py --loop_sampling lognormal --stars_lambda 0.1   # STARS (the same, + the penalty)
 task = "addition"
 digits = 4
 n_embd, n_head, n_layer, n_loops = 128, 8, 1, 4
@@ -27,14 +27,13 @@ warmup_iters = 100
 min_lr = 0.0
 weight_decay = 0.01
 grad_clip = 0.0
-# Paper B's depth distribution, LogNormal(2, 0.7), capped at 32 (Paper B: 100; P(t >= 32) = 1.9%), with
-# the gradient through the last 4 loops only (Paper B: every loop, grad_loops 0), so a deep step's backward costs
-# about the baseline's; it costs depth past 32 loops (experiments/paper_b.md, rows sampling_fullgrad, stars_fullgrad)
-loop_mu, loop_sigma, loop_max, grad_loops = 2.0, 0.7, 32, 4
+# Paper B's depth distribution, LogNormal(2, 0.7), capped at 32 (Paper B: 100; P(t >= 32) = 1.9%), with the
+# gradient through every loop, as in Paper B (--grad_loops 4: the last 4 only, cheaper, but it costs depth past
+# 32 loops: the study's rows sampling_grad4 and stars_grad4, experiments/paper_b.md)
+loop_mu, loop_sigma, loop_max = 2.0, 0.7, 32
 loop_start = 400              # a second curriculum: 4 loops until step 400, then sampled depths (Paper B samples
-                              # from step 0: here no run then reaches 50% at 4 loops with the gradient through
-                              # the last 4 loops, and some not with it through every loop: the study's rows
-                              # sampling_from0 and sampling_from0_fullgrad, experiments/paper_b.md)
+                              # from step 0: here some seeds then end below 50% at 4 loops, and every seed with the
+                              # gradient through the last 4 loops only: rows sampling_from0, sampling_from0_grad4)
 stars_warmup = 400            # the penalty from the same step (Paper B: 2k of 10k steps)
 eval_interval = 250
 eval_loops = 100

@@ -9,10 +9,11 @@ its train.py options, run once per seed (nanochat's runs/speedrun.sh, with seeds
     study.write_page(args, *page(runs, args))  # experiments/paper_b.md and its plots, with the provenance line
 
 Each run lives in runs/<study>/<row>/s<seed>/ (train.py's ckpt.pt, log.jsonl, report.json, plots, and
-run.json: the command, its wall time, the commit and the machine). A run whose run.json holds the same
-command and that has its report.json is finished: it is not run again, so an interrupted study resumes
-where it stopped, and an interrupted run continues from its checkpoint (--init_from resume). A finished run
-whose command now resolves to other settings (a preset edited since) is run again, and left off the page.
+run.json: the command, its wall time, the commit and the machine). A finished run whose report holds the
+settings its row's command resolves to now is not run again, whatever command made it (a row's command may
+change without changing the run: an option a preset now sets), so an interrupted study resumes where it
+stopped; an interrupted run continues from its checkpoint (--init_from resume) if its command is the same.
+A finished run at other settings (a preset edited since) is run again, and left off the page.
 The page's header names the commit of its runs and says whether the code that trains and evaluates has changed
 since.
 """
@@ -112,14 +113,14 @@ def read_json(path):
 
 
 def run_one(argv, out_dir):
-    """train.py once, unless it already finished with this command; returns (run.json dict, report dict).
+    """train.py once, unless it already finished at the settings argv resolves to; returns (run.json, report).
     A run of another command in out_dir is removed first; an interrupted one continues from its checkpoint."""
     meta_path, rep_path, ckpt = (os.path.join(out_dir, f) for f in ("run.json", "report.json", "ckpt.pt"))
     meta = read_json(meta_path)
     same = same_command(meta, argv)
     if same and os.path.exists(rep_path) and os.path.exists(ckpt) and os.path.getmtime(rep_path) >= os.path.getmtime(ckpt):
         meta["finished"] = True  # (the final report is written after the final save: it finished)
-    if same and meta.get("finished"):
+    if meta.get("finished"):  # whatever command made it: the same settings make the same run
         changed = settings_changed(argv, read_json(rep_path))
         if not changed:
             return meta, read_json(rep_path)
@@ -147,7 +148,7 @@ def run_one(argv, out_dir):
 
 
 def finished_runs(rows, args):
-    """Every finished run on disk of every row at its current command, whatever the seed: {row: {seed: (run, report)}}.
+    """Every finished run on disk of every row at its command's settings, whatever the seed: {row: {seed: (run, report)}}.
     The page is made of these, so a study run for more seeds of one row adds them to the page."""
     out = {}
     for name in rows:
@@ -158,7 +159,7 @@ def finished_runs(rows, args):
             seed, path = int(d[1:]), os.path.join(folder, d)
             meta = read_json(os.path.join(path, "run.json"))
             argv = command(rows[name], seed, path, args)
-            if meta.get("finished") and same_command(meta, argv):
+            if meta.get("finished"):
                 rep = read_json(os.path.join(path, "report.json"))
                 changed = settings_changed(argv, rep)
                 if changed:
