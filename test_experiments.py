@@ -239,7 +239,7 @@ def test_code_since_tells_code_from_strings_comments_and_docstrings(tmp_path, mo
 def test_the_header_names_the_rows_made_at_each_commit():
     run = lambda c: ({"commit": c}, {})
     runs = {"a": {1: run("c1"), 2: run("c1")}, "b": {1: run("c1"), 2: run("c2")}, "c": {1: run("c2"), 2: run("c2")}}
-    assert study.run_commits(runs) == "c1 (the others); c2 (`b` seed 2, `c`)"
+    assert study.run_commits(runs) == "c1 except `b` seed 2, `c` at c2"
     assert study.run_commits({"a": {1: run("c1")}}) == "c1"
 
 

@@ -81,6 +81,13 @@ def page(runs, args):
         lines.append("| run | seeds | " + " | ".join(c[0] for c in cols) + " |\n|---|---|" + "---|" * len(cols))
         for name, seeds in runs.items():
             lines.append(f"| {name} | {len(seeds)} | " + " | ".join(col(seeds, f, fmt) for _, f, fmt in cols) + " |")
+    each = [loops[0], loops[3], loops[4], scale[1], loops[5]]  # the columns the claims count seeds by
+    lines.append("\n## Each seed\n\nThe claims' seed counts, run by run (the columns as above).\n")
+    lines.append("| run | seed | " + " | ".join(c[0] for c in each) + " | wall (min) |\n|---|---|" + "---|" * (len(each) + 1))
+    for name, seeds in runs.items():
+        for seed, (meta, rep) in sorted(seeds.items()):
+            lines.append(f"| {name} | {seed} | " + " | ".join(mr([f(rep, meta)], fmt) for _, f, fmt in each)
+                         + f" | {meta.get('wall_s', 0) / 60:.1f} |")
     fig, ax = plt.subplots(1, 3, figsize=(15, 3.8))
     for a in ax:
         a.set_prop_cycle(color=study.colours())

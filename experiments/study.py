@@ -344,7 +344,7 @@ def provenance(runs, args):
 
 
 def run_commits(runs):
-    """The runs' commits: the one most runs were made at, then each other with the rows (and seeds) made there."""
+    """The runs' commits: the one most runs were made at, then the rows (and seeds) made at each other one."""
     at = {}
     for name, seeds in runs.items():
         for seed, (meta, _) in seeds.items():
@@ -352,7 +352,7 @@ def run_commits(runs):
     order = sorted(at, key=lambda c: -sum(map(len, at[c].values())))
     which = lambda c: ", ".join(f"`{n}`" + ("" if len(s) == len(runs[n]) else f" seed{'s' * (len(s) > 1)} "
                                             + ", ".join(map(str, sorted(s)))) for n, s in at[c].items())
-    return order[0] + (" (the others)" if len(order) > 1 else "") + "".join(f"; {c} ({which(c)})" for c in order[1:])
+    return order[0] + (" except " if len(order) > 1 else "") + "; ".join(f"{which(c)} at {c}" for c in order[1:])
 
 
 def page_path(args):
