@@ -178,6 +178,7 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
     again = subprocess.run(cmd, cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "done: baseline seed 1 (" in again.stdout
     assert equivalent == json.load(open(tmp_path / "runs" / "baseline" / "s1" / "run.json"))  # not run again
+    assert "the runs of `baseline` were made by another command" in (tmp_path / "paper_b-quick.md").read_text()
     # a preset edited since a run finished (here: its report says another learning rate): run again, not reused
     rep_path = tmp_path / "runs" / "baseline" / "s1" / "report.json"
     rep = json.load(open(rep_path))

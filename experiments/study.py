@@ -166,6 +166,7 @@ def finished_runs(rows, args):
                     print(f"left off the page: {path} ran at other settings ({fmt_changed(changed)}); rerun the study")
                     continue
                 meta["out_dir"] = path  # where the run is now (the runs folder may have moved since)
+                meta["same_command"] = same_command(meta, argv)  # else another command made these settings
                 out.setdefault(name, {})[seed] = meta, rep
     if not out:
         raise SystemExit(f"no finished run in {args.runs} for these rows: run the study first")
@@ -310,6 +311,7 @@ def provenance(runs, args):
     seeds = sorted({s for r in runs.values() for s in r})
     commits = sorted({m["commit"] for m in metas})
     threads = {0: "torch's default threads", 1: "1 thread each"}.get(args.threads, f"{args.threads} threads each")
+    other = [n for n, seeds in runs.items() if any(not m.get("same_command", True) for m, _ in seeds.values())]
     argv = metas[0]["argv"]  # one run's own command, without where its run and data live (PLACES)
     shown = without_places(argv)
     tail = shown[shown.index("--seed"):] if "--seed" in shown else []  # what follows a row's options (study.command)
@@ -335,8 +337,10 @@ def provenance(runs, args):
              f"its row's under \"The recipes\"; shown without where its run and data live, {' and '.join(dropped) or 'nothing'}"
              f"{offline}): `python train.py {shlex.join(shown)}`. One row and seed again: `python experiments/{args.study}.py "
              f"--rows ROW --seeds S --runs DIR --out DIR` (its runs and page in DIR, this page untouched).",
-             "- **Settings:** every run's recorded settings are those its command, presets included, resolves to "
-             "here (`study.settings_changed`).",
+             "- **Settings:** every run's recorded settings are those its row's command, presets included, resolves to "
+             "here (`study.settings_changed`)" + (f"; the runs of {', '.join(f'`{n}`' for n in other)} were made by "
+                                                  "another command (its run.json has it) that resolves to the same settings"
+                                                  if other else "") + ".",
              f"- **Code since the runs:** the Python that trains and evaluates ({', '.join(TRAINING_CODE)}) "
              f"{since}" + (f": `git diff {' '.join([oldest(commits)] + [head] * bool(head))} -- {' '.join(TRAINING_CODE)}`." if since.startswith("changed")
                            else ".")]
