@@ -173,12 +173,13 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
         meta = metas[row] = json.load(open(tmp_path / "runs" / row / "s1" / "run.json"))
         assert meta["finished"] and meta["wall_s"] > 0 and "--seed" in meta["argv"]
     # made by another command that resolves to the same settings (here: it names the preset's own n_loops)
-    equivalent = {**metas["baseline"], "argv": metas["baseline"]["argv"] + ["--n_loops", "4"]}
+    equivalent = {**metas["baseline"], "argv": metas["baseline"]["argv"][:1] + ["--n_loops", "4"] + metas["baseline"]["argv"][1:]}
     (tmp_path / "runs" / "baseline" / "s1" / "run.json").write_text(json.dumps(equivalent))
     again = subprocess.run(cmd, cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "done: baseline seed 1 (" in again.stdout
     assert equivalent == json.load(open(tmp_path / "runs" / "baseline" / "s1" / "run.json"))  # not run again
-    assert "the runs of `baseline` were made by another command" in (tmp_path / "paper_b-quick.md").read_text()
+    assert "made by another command that resolves to the same settings: `baseline` by `config/addition_cpu.py " \
+        "--n_loops 4`" in (tmp_path / "paper_b-quick.md").read_text()
     # a preset edited since a run finished (here: its report says another learning rate): run again, not reused
     rep_path = tmp_path / "runs" / "baseline" / "s1" / "report.json"
     rep = json.load(open(rep_path))

@@ -6,7 +6,8 @@ a reader runs them), timed, then its two --compare plots and this page (quicksta
 
 Each row is the README's command; the study adds `--seed 1 --device cpu --num_threads 0` (the presets' own
 values) and its own --out_dir. The addition rows are Paper B's study's baseline, sampling and stars at seed 1
-(there with one thread: the thread count moves the last bits of a float sum, so the numbers may differ a little).
+(there with one thread: the thread count moves the last bits of a float sum, and training at sampled depths can
+grow that into a gap at 64-100 loops as large as a seed's).
 """
 import os
 
@@ -31,8 +32,9 @@ def page(runs, args):
              "\nThe README's commands, one after another on the idle machine. PPL per byte at loop k of the 4-loop "
              "run (`report.json`)" + (f"; strict exact match (%) on {n_test:,} held-out problems at each depth" if n_test
                                       else "") + ". The addition rows are Paper B's study's seed 1 with torch's "
-             "default threads (there: one thread), which moves the last bits of a float sum, so their numbers may "
-             "differ a little from paper_b.md's.\n", "| command | seconds | result |\n|---|---|---|"]
+             "default threads (there: one thread), which moves the last bits of a float sum; training at sampled "
+             "depths can grow that into a gap at 64 and 100 loops as large as one between seeds (compare paper_b.md's "
+             "seed 1).\n", "| command | seconds | result |\n|---|---|---|"]
     for name, seeds in runs.items():
         meta, rep = next(iter(seeds.values()))
         if "addition" in rep:

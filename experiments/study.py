@@ -311,7 +311,8 @@ def provenance(runs, args):
     seeds = sorted({s for r in runs.values() for s in r})
     commits = sorted({m["commit"] for m in metas})
     threads = {0: "torch's default threads", 1: "1 thread each"}.get(args.threads, f"{args.threads} threads each")
-    other = [n for n, seeds in runs.items() if any(not m.get("same_command", True) for m, _ in seeds.values())]
+    other = list(dict.fromkeys(f"`{n}` by `{shlex.join(without_places(m['argv'])[:without_places(m['argv']).index('--seed')])}`"
+                    for n, seeds in runs.items() for m, _ in seeds.values() if not m.get("same_command", True)))
     argv = metas[0]["argv"]  # one run's own command, without where its run and data live (PLACES)
     shown = without_places(argv)
     tail = shown[shown.index("--seed"):] if "--seed" in shown else []  # what follows a row's options (study.command)
@@ -338,9 +339,8 @@ def provenance(runs, args):
              f"{offline}): `python train.py {shlex.join(shown)}`. One row and seed again: `python experiments/{args.study}.py "
              f"--rows ROW --seeds S --runs DIR --out DIR` (its runs and page in DIR, this page untouched).",
              "- **Settings:** every run's recorded settings are those its row's command, presets included, resolves to "
-             "here (`study.settings_changed`)" + (f"; the runs of {', '.join(f'`{n}`' for n in other)} were made by "
-                                                  "another command (its run.json has it) that resolves to the same settings"
-                                                  if other else "") + ".",
+             "here (`study.settings_changed`)" + (f"; these rows' runs were made by another command that resolves to the "
+                                                  f"same settings: {'; '.join(other)}" if other else "") + ".",
              f"- **Code since the runs:** the Python that trains and evaluates ({', '.join(TRAINING_CODE)}) "
              f"{since}" + (f": `git diff {' '.join([oldest(commits)] + [head] * bool(head))} -- {' '.join(TRAINING_CODE)}`." if since.startswith("changed")
                            else ".")]
