@@ -178,8 +178,8 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
     again = subprocess.run(cmd, cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "done: baseline seed 1 (" in again.stdout
     assert equivalent == json.load(open(tmp_path / "runs" / "baseline" / "s1" / "run.json"))  # not run again
-    assert "made by another command that resolves to the same settings: `baseline` by `config/addition_cpu.py " \
-        "--n_loops 4`" in (tmp_path / "paper_b-quick.md").read_text()
+    assert "made by another command that resolves to the same settings: `baseline` by `python train.py " \
+        "config/addition_cpu.py --n_loops 4 --seed S --device cpu" in (tmp_path / "paper_b-quick.md").read_text()
     # a preset edited since a run finished (here: its report says another learning rate): run again, not reused
     rep_path = tmp_path / "runs" / "baseline" / "s1" / "report.json"
     rep = json.load(open(rep_path))
@@ -187,7 +187,7 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
     rep_path.write_text(json.dumps(rep))
     elsewhere = [sys.executable, os.path.join(HERE, "experiments/paper_b.py")] + cmd[2:]  # started from another folder
     third = subprocess.run(elsewhere, cwd=tmp_path, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
-    assert third.returncode == 0 and "its settings changed since it ran (learning_rate 0.5 then, 0.001 now)" in third.stdout
+    assert third.returncode == 0 and "it ran at other settings (learning_rate 0.5 then, 0.001 now)" in third.stdout
     assert json.load(open(rep_path))["config"]["learning_rate"] == 0.001
 
 

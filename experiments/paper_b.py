@@ -7,12 +7,13 @@ Paper B (STARS) at CPU scale: 4-digit addition at every depth 1..100, each recip
     python experiments/paper_b.py --device cuda --jobs 8        # on a GPU, eight runs at once
 
 The rows: config/addition_cpu.py (the fixed-4 baseline), Paper B's two ingredients on top of it (depth
-sampling, then the Jacobian penalty: STARS), the penalty at the supervised positions only, the penalty alone at fixed
-depth (stars_fixed), the baseline without the preset's curriculum (no_curriculum), depth sampling from step 0 as in
-Paper B rather than from the preset's step 400 (sampling_from0), and capped at Paper B's 100 rather than the preset's
-32 (sampling_cap100); then sampling, STARS and sampling from step 0 with the gradient through the last 4 loops only
-(the _grad4 rows: cheaper, and this preset's setting until the study showed it costs depth). Every run is scored on the same held-out problems (strict: space,
-digits and § teacher-forced, which equals greedy decoding) and on the first 100 by Paper B's own protocol.
+sampling, then the Jacobian penalty: STARS), the penalty at the supervised positions only, the penalty alone at
+fixed depth (stars_fixed), the baseline without the preset's curriculum (no_curriculum), depth sampling from step 0
+as in Paper B rather than from the preset's step 400 (sampling_from0), and capped at Paper B's 100 rather than the
+preset's 32 (sampling_cap100); then sampling, STARS and sampling from step 0 with the gradient through the last 4
+loops only (the _grad4 rows: cheaper, and this preset's setting until the study showed it costs depth).
+Every run is scored on the same held-out problems (strict: space, digits and § teacher-forced, which equals
+greedy decoding) and on the first 100 by Paper B's own protocol.
 """
 import study
 
@@ -167,7 +168,8 @@ def holds(runs, depths, K):
                      f"below 10% at every depth from 16 loops on: {n(seeds, lambda r: all(acc(r, k) < 0.1 for k in depths if k >= 16))}"
                      + (f"; ρ < 1 at 64 loops: {n(seeds, lambda r: (rho(r, 64) or 1) < 1)}" if 64 in depths else "") + ".")
     for new, old in (("stars", "sampling"), ("stars_supervised", "stars"), ("sampling_grad4", "sampling"),
-                     ("stars_grad4", "sampling_grad4"), ("stars_grad4", "stars"), ("stars_grad4", "sampling")):
+                     ("stars_grad4", "sampling_grad4"), ("stars_grad4", "stars"), ("sampling_cap100", "sampling"),
+                     ("sampling_from0_grad4", "sampling_from0")):
         for k in (32, 64, 100) if {new, old} <= runs.keys() else ():  # a recipe against the one it changes
             both = [s for s in runs[new] if s in runs[old]]
             if k in depths and both:

@@ -112,22 +112,30 @@ def read_json(path):
         return {}
 
 
+def finished(meta, argv, out_dir):
+    """Whether out_dir holds a finished run: its run.json says so, or, for a run of this command, its report is
+    newer than its checkpoint (the final report is written after the final save: killed between the two)."""
+    rep, ckpt = (os.path.join(out_dir, f) for f in ("report.json", "ckpt.pt"))
+    return bool(meta.get("finished")) or (same_command(meta, argv) and os.path.exists(rep) and os.path.exists(ckpt)
+                                           and os.path.getmtime(rep) >= os.path.getmtime(ckpt))
+
+
 def run_one(argv, out_dir):
-    """train.py once, unless it already finished at the settings argv resolves to; returns (run.json, report).
-    A run of another command in out_dir is removed first; an interrupted one continues from its checkpoint."""
+    """train.py once, unless out_dir holds a finished run at the settings argv resolves to, whatever command made
+    it (on the same machine and threads, the same settings make the same run); returns (run.json, report). A
+    finished run at other settings, or an interrupted run of another command, is removed first; an interrupted
+    run of this command continues from its checkpoint."""
     meta_path, rep_path, ckpt = (os.path.join(out_dir, f) for f in ("run.json", "report.json", "ckpt.pt"))
     meta = read_json(meta_path)
     same = same_command(meta, argv)
-    if same and os.path.exists(rep_path) and os.path.exists(ckpt) and os.path.getmtime(rep_path) >= os.path.getmtime(ckpt):
-        meta["finished"] = True  # (the final report is written after the final save: it finished)
-    if meta.get("finished"):  # whatever command made it: the same settings make the same run
+    if finished(meta, argv, out_dir):
         changed = settings_changed(argv, read_json(rep_path))
         if not changed:
-            return meta, read_json(rep_path)
-        print(f"{out_dir}: its settings changed since it ran ({fmt_changed(changed)}): running it again", flush=True)
+            return {**meta, "finished": True}, read_json(rep_path)
+        print(f"{out_dir}: it ran at other settings ({fmt_changed(changed)}): running it again", flush=True)
         same = False
     if not same and os.path.exists(out_dir):
-        shutil.rmtree(out_dir)  # another command's run: its checkpoint must not be resumed under this one
+        shutil.rmtree(out_dir)  # its checkpoint must not be resumed under this command
     extra = ["--init_from", "resume"] if same and os.path.exists(ckpt) else []
     os.makedirs(out_dir, exist_ok=True)
     meta = {"argv": argv, "out_dir": out_dir, "finished": False, "commit": commit(), "machine": machine(),
@@ -159,13 +167,13 @@ def finished_runs(rows, args):
             seed, path = int(d[1:]), os.path.join(folder, d)
             meta = read_json(os.path.join(path, "run.json"))
             argv = command(rows[name], seed, path, args)
-            if meta.get("finished"):
+            if finished(meta, argv, path):
                 rep = read_json(os.path.join(path, "report.json"))
                 changed = settings_changed(argv, rep)
                 if changed:
                     print(f"left off the page: {path} ran at other settings ({fmt_changed(changed)}); rerun the study")
                     continue
-                meta["out_dir"] = path  # where the run is now (the runs folder may have moved since)
+                meta.update(finished=True, out_dir=path)  # where the run is now (the runs folder may have moved since)
                 meta["same_command"] = same_command(meta, argv)  # else another command made these settings
                 out.setdefault(name, {})[seed] = meta, rep
     if not out:
@@ -311,9 +319,17 @@ def provenance(runs, args):
     seeds = sorted({s for r in runs.values() for s in r})
     commits = sorted({m["commit"] for m in metas})
     threads = {0: "torch's default threads", 1: "1 thread each"}.get(args.threads, f"{args.threads} threads each")
-    other = list(dict.fromkeys(f"`{n}` by `{shlex.join(without_places(m['argv'])[:without_places(m['argv']).index('--seed')])}`"
-                    for n, seeds in runs.items() for m, _ in seeds.values() if not m.get("same_command", True)))
-    argv = metas[0]["argv"]  # one run's own command, without where its run and data live (PLACES)
+    by = {}  # the runs another command made at their row's settings: {(row, that command, seed S): [seeds]}
+    for name, row in runs.items():
+        for seed, (m, _) in row.items():
+            if not m.get("same_command", True):
+                shown = ["S" if i and a == str(seed) and shown[i - 1] == "--seed" else a
+                         for shown in [without_places(m["argv"])] for i, a in enumerate(shown)]
+                by.setdefault((name, shlex.join(shown)), []).append(seed)
+    other = [f"`{n}`" + ("" if len(s) == len(runs[n]) else f" seed{'s' * (len(s) > 1)} {', '.join(map(str, s))}")
+             + f" by `python train.py {c}`" for (n, c), s in by.items()]
+    # one run's own command, without where its run and data live (PLACES): a run its row's command made
+    argv = next((m["argv"] for m in metas if m.get("same_command", True)), metas[0]["argv"])
     shown = without_places(argv)
     tail = shown[shown.index("--seed"):] if "--seed" in shown else []  # what follows a row's options (study.command)
     template = shlex.join(["--seed", "S", *tail[2:]])
@@ -334,8 +350,8 @@ def provenance(runs, args):
              f"{run_commits(runs)}, dated {dates[0]}" + (f" to {dates[-1]}" if dates[-1] != dates[0] else "") +
              f"; {'; '.join(sorted({m['machine'] for m in metas}))}; {args.jobs} at once, "
              f"{threads if args.device == 'cpu' else 'on ' + args.device}. {took}",
-             f"- **A run's command,** from its run.json (the first; every run's is `python train.py OPTIONS {template}`, OPTIONS "
-             f"its row's under \"The recipes\"; shown without where its run and data live, {' and '.join(dropped) or 'nothing'}"
+             f"- **A run's command,** from its run.json (every run's is `python train.py OPTIONS {template}`, OPTIONS "
+             f"its row's under \"The recipes\"{', but those under Settings' if other else ''}; shown without where its run and data live, {' and '.join(dropped) or 'nothing'}"
              f"{offline}): `python train.py {shlex.join(shown)}`. One row and seed again: `python experiments/{args.study}.py "
              f"--rows ROW --seeds S --runs DIR --out DIR` (its runs and page in DIR, this page untouched).",
              "- **Settings:** every run's recorded settings are those its row's command, presets included, resolves to "
