@@ -351,7 +351,7 @@ def provenance(runs, args):
              f"; {'; '.join(sorted({m['machine'] for m in metas}))}; {args.jobs} at once, "
              f"{threads if args.device == 'cpu' else 'on ' + args.device}. {took}",
              f"- **A run's command,** from its run.json (every run's is `python train.py OPTIONS {template}`, OPTIONS "
-             f"its row's under \"The recipes\"{', but those under Settings' if other else ''}; shown without where its run and data live, {' and '.join(dropped) or 'nothing'}"
+             f"its row's under \"The recipes\"{' (except the runs listed under Settings)' if other else ''}; shown without where its run and data live, {' and '.join(dropped) or 'nothing'}"
              f"{offline}): `python train.py {shlex.join(shown)}`. One row and seed again: `python experiments/{args.study}.py "
              f"--rows ROW --seeds S --runs DIR --out DIR` (its runs and page in DIR, this page untouched).",
              "- **Settings:** every run's recorded settings are those its row's command, presets included, resolves to "
