@@ -313,3 +313,30 @@ def test_every_number_in_the_readme_results_is_on_the_page_it_links():
     text = read("paper_a", "paper_b", "depth")
     numbers = [n for part in re.findall(r"\*Here[^*]*\*(.*?)(?=\*Paper|\n)", theory) for n in re.findall(number, part)]
     assert len(numbers) > 10 and not [n for n in numbers if not on(n, text)]
+
+
+def test_run_one_resumes_only_its_own_command_and_reruns_other_settings(tmp_path, monkeypatch):
+    calls = []  # train.py's argv for each run started; the run itself is not trained here
+    monkeypatch.setattr(study.subprocess, "call", lambda cmd, **kw: calls.append(cmd[2:]) or 0)
+    argv = ["config/addition_cpu.py", "--seed", "1", "--device", "cpu", "--out_dir", str(tmp_path)]
+
+    def leave(meta, report=None):  # a run folder as a killed (or finished) run leaves it
+        (tmp_path / "run.json").write_text(json.dumps(meta))
+        (tmp_path / "ckpt.pt").write_text("")
+        if report is not None:
+            (tmp_path / "report.json").write_text(json.dumps(report))
+    leave({"argv": argv, "finished": False, "wall_s": 5})  # interrupted, this command: resumed
+    study.run_one(argv, str(tmp_path))
+    assert calls[-1][-2:] == ["--init_from", "resume"]
+    leave({"argv": argv + ["--n_loops", "4"], "finished": False})  # interrupted, another command: started over
+    study.run_one(argv, str(tmp_path))
+    assert "--init_from" not in calls[-1] and not (tmp_path / "ckpt.pt").exists()
+    import train
+    cfg, model_args, _ = train.settings(argv)
+    report = {"config": {**vars(cfg), **model_args}}
+    leave({"argv": argv + ["--n_loops", "4"], "finished": True}, report)  # finished, same settings: reused
+    n = len(calls)
+    assert study.run_one(argv, str(tmp_path))[1] == report and len(calls) == n
+    leave({"argv": argv, "finished": True}, {"config": {**report["config"], "learning_rate": 0.5}})  # other settings
+    study.run_one(argv, str(tmp_path))
+    assert len(calls) == n + 1 and "--init_from" not in calls[-1]
