@@ -327,7 +327,7 @@ def test_run_one_resumes_only_its_own_command_and_reruns_other_settings(tmp_path
             (tmp_path / "report.json").write_text(json.dumps(report))
     leave({"argv": argv, "finished": False, "wall_s": 5})  # interrupted, this command: resumed
     study.run_one(argv, str(tmp_path))
-    assert calls[-1][-2:] == ["--init_from", "resume"]
+    assert calls[-1][-2:] == ["--init_from", "resume"] and json.load(open(tmp_path / "run.json"))["wall_s"] >= 5
     leave({"argv": argv + ["--n_loops", "4"], "finished": False})  # interrupted, another command: started over
     study.run_one(argv, str(tmp_path))
     assert "--init_from" not in calls[-1] and not (tmp_path / "ckpt.pt").exists()
@@ -340,3 +340,10 @@ def test_run_one_resumes_only_its_own_command_and_reruns_other_settings(tmp_path
     leave({"argv": argv, "finished": True}, {"config": {**report["config"], "learning_rate": 0.5}})  # other settings
     study.run_one(argv, str(tmp_path))
     assert len(calls) == n + 1 and "--init_from" not in calls[-1]
+    # run.json unmarked but the report newer than the checkpoint (the study stopped after train.py finished):
+    for other, started in ((argv, False), (argv + ["--n_loops", "4"], True)):  # this command's: finished; another's: not
+        leave({"argv": other, "finished": False}, report)
+        os.utime(tmp_path / "ckpt.pt", (0, 0))
+        n = len(calls)
+        study.run_one(argv, str(tmp_path))
+        assert len(calls) == n + started and (not started or "--init_from" not in calls[-1])

@@ -81,8 +81,9 @@ def page(runs, args):
         lines.append("| run | seeds | " + " | ".join(c[0] for c in cols) + " |\n|---|---|" + "---|" * len(cols))
         for name, seeds in runs.items():
             lines.append(f"| {name} | {len(seeds)} | " + " | ".join(col(seeds, f, fmt) for _, f, fmt in cols) + " |")
-    each = [c for c in loops + scale if c[0] in ("PPL at loop 1", "PPL at loop 4", "ΔPPL 1→4", "‖H_K‖ mean",
-                                                   "relative step at loop 4", "drift exponent b")]
+    byname = {c[0]: c for c in loops + scale}
+    each = [byname[n] for n in ("PPL at loop 1", "PPL at loop 4", "ΔPPL 1→4", "‖H_K‖ mean", "relative step at loop 4",
+                                "drift exponent b")]
     lines.append("\n## Each seed\n\nThe columns the claims count seeds by, run by run (defined above).\n")
     lines.append("| run | seed | " + " | ".join(c[0] for c in each) + " | wall (min) |\n|---|---|" + "---|" * (len(each) + 1))
     for name, seeds in runs.items():

@@ -174,8 +174,8 @@ def holds(runs, depths, K):
             both = [s for s in runs[new] if s in runs[old]]
             if k in depths and both:
                 m = {name: sum(acc(runs[name][s][1], k) for s in both) / len(both) for name in (new, old)}
-                wins, losses = (sum(cmp(acc(runs[new][s][1], k), acc(runs[old][s][1], k)) for s in both)
-                                for cmp in (float.__gt__, float.__lt__))
+                diff = [acc(runs[new][s][1], k) - acc(runs[old][s][1], k) for s in both]
+                wins, losses = sum(d > 0 for d in diff), sum(d < 0 for d in diff)
                 lines.append(f"- at {k} loops, `{new}` {100 * m[new]:.1f}% against `{old}` {100 * m[old]:.1f}% "
                              f"on the mean of the {len(both)} seeds both ran; higher on {wins} of them, lower on {losses}.")
     return lines

@@ -114,7 +114,8 @@ def read_json(path):
 
 def finished(meta, argv, out_dir):
     """Whether out_dir holds a finished run: its run.json says so, or, for a run of this command, its report is
-    newer than its checkpoint (the final report is written after the final save: killed between the two)."""
+    newer than its checkpoint (train.py writes the final report after the final save; the study was stopped
+    before it could mark run.json)."""
     rep, ckpt = (os.path.join(out_dir, f) for f in ("report.json", "ckpt.pt"))
     return bool(meta.get("finished")) or (same_command(meta, argv) and os.path.exists(rep) and os.path.exists(ckpt)
                                            and os.path.getmtime(rep) >= os.path.getmtime(ckpt))
@@ -122,17 +123,19 @@ def finished(meta, argv, out_dir):
 
 def run_one(argv, out_dir):
     """train.py once, unless out_dir holds a finished run at the settings argv resolves to, whatever command made
-    it (on the same machine and threads, the same settings make the same run); returns (run.json, report). A
+    it (assumed the same run: the settings include the thread count, not the machine); returns (run.json, report). A
     finished run at other settings, or an interrupted run of another command, is removed first; an interrupted
     run of this command continues from its checkpoint."""
     meta_path, rep_path, ckpt = (os.path.join(out_dir, f) for f in ("run.json", "report.json", "ckpt.pt"))
     meta = read_json(meta_path)
     same = same_command(meta, argv)
     if finished(meta, argv, out_dir):
-        changed = settings_changed(argv, read_json(rep_path))
+        report = read_json(rep_path)
+        changed = settings_changed(argv, report)
         if not changed:
-            return {**meta, "finished": True}, read_json(rep_path)
-        print(f"{out_dir}: it ran at other settings ({fmt_changed(changed)}): running it again", flush=True)
+            return {**meta, "finished": True}, report
+        why = f"it ran at other settings ({fmt_changed(changed)})" if report else "its report is missing or unreadable"
+        print(f"{out_dir}: {why}: running it again", flush=True)
         same = False
     if not same and os.path.exists(out_dir):
         shutil.rmtree(out_dir)  # its checkpoint must not be resumed under this command
@@ -171,7 +174,8 @@ def finished_runs(rows, args):
                 rep = read_json(os.path.join(path, "report.json"))
                 changed = settings_changed(argv, rep)
                 if changed:
-                    print(f"left off the page: {path} ran at other settings ({fmt_changed(changed)}); rerun the study")
+                    why = f"ran at other settings ({fmt_changed(changed)})" if rep else "has no readable report"
+                    print(f"left off the page: {path} {why}; rerun the study")
                     continue
                 meta.update(finished=True, out_dir=path)  # where the run is now (the runs folder may have moved since)
                 meta["same_command"] = same_command(meta, argv)  # else another command made these settings
@@ -319,17 +323,18 @@ def provenance(runs, args):
     seeds = sorted({s for r in runs.values() for s in r})
     commits = sorted({m["commit"] for m in metas})
     threads = {0: "torch's default threads", 1: "1 thread each"}.get(args.threads, f"{args.threads} threads each")
-    by = {}  # the runs another command made at their row's settings: {(row, that command, seed S): [seeds]}
+    by = {}  # the runs another command made at their row's settings: {(row, that command, the seed as S): [seeds]}
     for name, row in runs.items():
         for seed, (m, _) in row.items():
             if not m.get("same_command", True):
-                shown = ["S" if i and a == str(seed) and shown[i - 1] == "--seed" else a
-                         for shown in [without_places(m["argv"])] for i, a in enumerate(shown)]
-                by.setdefault((name, shlex.join(shown)), []).append(seed)
-    other = [f"`{n}`" + ("" if len(s) == len(runs[n]) else f" seed{'s' * (len(s) > 1)} {', '.join(map(str, s))}")
+                a = without_places(m["argv"])
+                a = ["S" if i and a[i - 1] == "--seed" else v for i, v in enumerate(a)]
+                by.setdefault((name, shlex.join(a)), []).append(seed)
+    other = [f"`{n}`" + ("" if len(s) == len(runs[n]) else f" seed{'s' * (len(s) > 1)} {', '.join(map(str, sorted(s)))}")
              + f" by `python train.py {c}`" for (n, c), s in by.items()]
-    # one run's own command, without where its run and data live (PLACES): a run its row's command made
-    argv = next((m["argv"] for m in metas if m.get("same_command", True)), metas[0]["argv"])
+    # one run's own command, without where its run and data live (PLACES): one its row's command made, if any
+    own = next((m["argv"] for m in metas if m.get("same_command", True)), None)
+    argv = own or metas[0]["argv"]
     shown = without_places(argv)
     tail = shown[shown.index("--seed"):] if "--seed" in shown else []  # what follows a row's options (study.command)
     template = shlex.join(["--seed", "S", *tail[2:]])
@@ -351,7 +356,7 @@ def provenance(runs, args):
              f"; {'; '.join(sorted({m['machine'] for m in metas}))}; {args.jobs} at once, "
              f"{threads if args.device == 'cpu' else 'on ' + args.device}. {took}",
              f"- **A run's command,** from its run.json (every run's is `python train.py OPTIONS {template}`, OPTIONS "
-             f"its row's under \"The recipes\"{' (except the runs listed under Settings)' if other else ''}; shown without where its run and data live, {' and '.join(dropped) or 'nothing'}"
+             f"its row's under \"The recipes\"{' (except the runs listed under Settings' + (', this one among them' if own is None else '') + ')' if other else ''}; shown without where its run and data live, {' and '.join(dropped) or 'nothing'}"
              f"{offline}): `python train.py {shlex.join(shown)}`. One row and seed again: `python experiments/{args.study}.py "
              f"--rows ROW --seeds S --runs DIR --out DIR` (its runs and page in DIR, this page untouched).",
              "- **Settings:** every run's recorded settings are those its row's command, presets included, resolves to "
