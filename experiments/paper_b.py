@@ -92,12 +92,11 @@ def page(runs, args):
                      + " | " + " | ".join(mr([a.get("relative_step", {}).get(str(k)) for a in reps], ".1e") for k in deep)
                      + f" | {mr([logged_jv(meta) for meta, _ in seeds.values()], '.2f') if 'stars' in name else '—'} |")
     lines.append(f"\n## Each seed: strict exact match (%) at {K}, 64 and 100 loops; when it left the plateau\n")
+    has_pos = any("answer_positions" in rep["addition"] for r in runs.values() for _, rep in r.values())
     lines.append("On the loss plateau the model gets the space and the last answer position right and every other digit "
                  "at chance. \"left\" is the first evaluation with ≥ 50% strict exact match at the trained depth; a seed that "
-                 "never reaches it may still have learnt some digits.\n")
-    has_pos = any("answer_positions" in rep["addition"] for r in runs.values() for _, rep in r.values())
-    if has_pos:
-        lines[-1] = lines[-1][:-2] + " (the column \"each answer digit right\").\n"
+                 "never reaches it may still have learnt some digits" + (" (the column \"each answer digit right\")"
+                                                                          if has_pos else "") + ".\n")
     lines.append("| recipe | seed | " + " | ".join(f"{k} loops" for k in (K, 64, 100) if k in depths)
                  + " | left the plateau at step |" + (" each answer digit right at the end, units first (%) |" if has_pos
                                                         else "") + " wall (min) |")

@@ -330,8 +330,7 @@ def provenance(runs, args):
                 a = without_places(m["argv"])
                 a = ["S" if i and a[i - 1] == "--seed" else v for i, v in enumerate(a)]
                 by.setdefault((name, shlex.join(a)), []).append(seed)
-    other = [f"`{n}`" + ("" if len(s) == len(runs[n]) else f" seed{'s' * (len(s) > 1)} {', '.join(map(str, sorted(s)))}")
-             + f" by `python train.py {c}`" for (n, c), s in by.items()]
+    other = [f"{row_seeds(runs, n, s)} by `python train.py {c}`" for (n, c), s in by.items()]
     # one run's own command, without where its run and data live (PLACES): one its row's command made, if any
     own = next((m["argv"] for m in metas if m.get("same_command", True)), None)
     argv = own or metas[0]["argv"]
@@ -368,6 +367,12 @@ def provenance(runs, args):
     return "\n".join(lines) + "\n"
 
 
+def row_seeds(runs, name, seeds):
+    """`name`, followed by its seeds when they are not all the row's: "`stars`", "`stars` seeds 1, 2"."""
+    return f"`{name}`" + ("" if len(seeds) == len(runs[name]) else
+                          f" seed{'s' * (len(seeds) > 1)} {', '.join(map(str, sorted(seeds)))}")
+
+
 def run_commits(runs):
     """The runs' commits: the one most runs were made at, then the rows (and seeds) made at each other one."""
     at = {}
@@ -375,8 +380,7 @@ def run_commits(runs):
         for seed, (meta, _) in seeds.items():
             at.setdefault(meta["commit"], {}).setdefault(name, []).append(seed)
     order = sorted(at, key=lambda c: -sum(map(len, at[c].values())))
-    which = lambda c: ", ".join(f"`{n}`" + ("" if len(s) == len(runs[n]) else f" seed{'s' * (len(s) > 1)} "
-                                            + ", ".join(map(str, sorted(s)))) for n, s in at[c].items())
+    which = lambda c: ", ".join(row_seeds(runs, n, s) for n, s in at[c].items())
     return order[0] + (" except " if len(order) > 1 else "") + "; ".join(f"{which(c)} at {c}" for c in order[1:])
 
 
