@@ -165,7 +165,15 @@ def training_loss(model, x, y, n_loops, grad_loops=None, penalty=None, checkpoin
     """The loss of one training step at depth n_loops, as train.py and bench.py take it: Paper A's
     objective over the loop states (LoopLM.objective), and with a penalty (a Penalty, λ > 0) Paper B's
     (1 − λ)·task + λ·‖Jv‖² at the last state. Returns (loss, the loop states, ‖Jv‖ per penalized
-    sequence or None). grad_loops: the last loops with gradient (LoopLM.loop_states)."""
+    sequence or None). grad_loops: the last loops with gradient (LoopLM.loop_states).
+
+    To add another penalty on the loop map: (1) a function of step_fn in this file, like jsrr_penalty;
+    (2) its weight, a train.TrainConfig field carried in a Penalty field; (3) in train.train, build the
+    Penalty when that weight is > 0 too, and in train.step_streams the "v" generator; (4) its term below,
+    before the early return (taken when λ ≤ 0), any randomness from its own generator, seeded by
+    train.stream_seed(…, "v", …) XOR a constant (a new name in train.STREAMS would reseed every stream,
+    so earlier runs would no longer replay); (5) a test on a known spectrum, like
+    test_stars.test_stars_linear_step_known_spectrum."""
     states = model.loop_states(x, n_loops, grad_loops=grad_loops, checkpoint=checkpoint)
     _, loss = model.objective(states, y, checkpoint)
     if penalty is None or penalty.lam <= 0:

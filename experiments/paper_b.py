@@ -81,16 +81,22 @@ def page(runs, args):
                      "16 held-out problems. At a fixed point (relative step → 0) ρ < 1 means small perturbations "
                      "shrink under repeated loops; at a state still moving, one loop's ρ is a local reading that "
                      "guarantees nothing (a non-normal J can grow a perturbation for a few loops). The relative step: at the "
-                     "answer positions, over every held-out problem. ‖vᵀJ‖: the penalty's own estimate, from log.jsonl "
-                     "(mean over the last 10% of steps, at each step's sampled depth): what the penalty sees, beside ρ.\n")
+                     "answer positions, over every held-out problem.\n")
         lines.append("| recipe | " + " | ".join(f"ρ at {k}" for k in deep) + " | "
-                     + " | ".join(f"relative step at {k}" for k in deep) + " | ‖vᵀJ‖ in training |")
-        lines.append("|---|" + "---|" * (2 * len(deep) + 1))
+                     + " | ".join(f"relative step at {k}" for k in deep) + " |")
+        lines.append("|---|" + "---|" * (2 * len(deep)))
     for name, seeds in (runs.items() if deep else ()):
         reps = [rep["addition"] for _, rep in seeds.values()]
         lines.append(f"| {name} | " + " | ".join(mr([rho(rep, k) for _, rep in seeds.values()], ".3f") for k in deep)
-                     + " | " + " | ".join(mr([a.get("relative_step", {}).get(str(k)) for a in reps], ".1e") for k in deep)
-                     + f" | {mr([logged_jv(meta) for meta, _ in seeds.values()], '.2f') if 'stars' in name else '—'} |")
+                     + " | " + " | ".join(mr([a.get("relative_step", {}).get(str(k)) for a in reps], ".1e") for k in deep) + " |")
+    penalized = {name: mr([logged_jv(meta) for meta, _ in seeds.values()], ".2f") for name, seeds in runs.items()
+                 if deep and "stars" in name}
+    if penalized:
+        lines.append("\nThe penalty's own estimate, ‖vᵀJ‖ from log.jsonl (mean over the last 10% of training steps): "
+                     + "; ".join(f"`{name}` {v}" for name, v in penalized.items()) + ". It is taken on other states "
+                     "than ρ above (a training batch at the step's sampled depth, dropout on, every position but in "
+                     "`stars_supervised`), and it "
+                     "estimates the mean squared singular value, not ρ (`stars.py`): do not compare the two.")
     lines.append(f"\n## Each seed: strict exact match (%) at {K}, 64 and 100 loops; when it left the plateau\n")
     has_pos = any("answer_positions" in rep["addition"] for r in runs.values() for _, rep in r.values())
     lines.append("On the loss plateau the model gets the space and the last answer position right and every other digit "
@@ -110,17 +116,26 @@ def page(runs, args):
             lines.append(f"| {name} | {seed} | " + " | ".join(pct(acc(rep, k)) for k in (K, 64, 100) if k in depths)
                          + f" | {out if out is not None else 'never'} |" + (f" {dcells} |" if has_pos else "")
                          + f" {meta.get('wall_s', 0) / 60:.1f} |")
-    fig, ax = plt.subplots(figsize=(9, 4))
-    ax.set_prop_cycle(color=study.colours())
-    for name, seeds in runs.items():
-        ks = sorted(int(k) for k in next(iter(seeds.values()))[1]["addition"]["accuracy"])
-        vals = [[100 * acc(rep, k) for _, rep in seeds.values()] for k in ks]
-        ax.plot(ks, [sum(v) / len(v) for v in vals], label=f"{name} (mean of {len(seeds)})")
-        ax.fill_between(ks, [min(v) for v in vals], [max(v) for v in vals], alpha=0.2)
-    ax.set(xlabel="loops at inference", ylabel="strict exact match (%)", xscale="log", title="addition, held out")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: the curves overlap at 1-8
+    # two panels: Paper B's recipe and its parts, with their min-max bands (left); the variants, means only, with
+    # `sampling` again to compare against (right: eight bands would hide each other)
+    main = [n for n in ("baseline", "sampling", "stars", "stars_fixed") if n in runs]
+    panels = [("Paper B's parts", main), ("variants, against sampling", [n for n in runs if n not in main or n == "sampling"])]
+    panels = [(title, names) for title, names in panels if names]
+    fig, axes = plt.subplots(1, len(panels), figsize=(13, 4), sharey=True, squeeze=False)
+    colour = dict(zip(runs, study.colours()))  # one colour per row, the same in both panels
+    for i, (ax, (title, names)) in enumerate(zip(axes[0], panels)):
+        for name in names:
+            seeds = runs[name]
+            ks = sorted(int(k) for k in next(iter(seeds.values()))[1]["addition"]["accuracy"])
+            vals = [[100 * acc(rep, k) for _, rep in seeds.values()] for k in ks]
+            ax.plot(ks, [sum(v) / len(v) for v in vals], color=colour[name], label=f"{name} (mean of {len(seeds)})")
+            if i == 0:
+                ax.fill_between(ks, [min(v) for v in vals], [max(v) for v in vals], color=colour[name], alpha=0.15)
+        ax.set(xlabel="loops at inference", xscale="log", title=f"addition, held out: {title}")
+        ax.legend(fontsize=7, **({"loc": "center left", "bbox_to_anchor": (0.55, 0.35)} if i == 0 else {"loc": "upper left", "bbox_to_anchor": (1.01, 1)}))
+    axes[0][0].set_ylabel("strict exact match (%)")
     png = study.savefig(fig, args, "accuracy")
-    lines.insert(2, f"\n![strict exact match against loops: seed mean, band min–max]({png})\n")
+    lines.insert(2, f"\n![strict exact match against loops: seed means; left, with the min–max band]({png})\n")
     return "\n".join(lines) + "\n", [png]
 
 
