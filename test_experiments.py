@@ -178,8 +178,9 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
     again = subprocess.run(cmd, cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "done: baseline seed 1 (" in again.stdout
     assert equivalent == json.load(open(tmp_path / "runs" / "baseline" / "s1" / "run.json"))  # not run again
-    assert "made by another command that resolves to the same settings: `baseline` by `python train.py " \
-        "config/addition_cpu.py --n_loops 4 --seed S --device cpu" in (tmp_path / "paper_b-quick.md").read_text()
+    assert "| `baseline` | " in (tmp_path / "paper_b-quick.md").read_text()  # the header's table names that command
+    assert " | `python train.py config/addition_cpu.py --n_loops 4 --seed S --device cpu" in \
+        (tmp_path / "paper_b-quick.md").read_text().split("| `baseline` | ")[1].split("\n")[0]
     # a preset edited since a run finished (here: its report says another learning rate): run again, not reused
     rep_path = tmp_path / "runs" / "baseline" / "s1" / "report.json"
     rep = json.load(open(rep_path))
@@ -238,11 +239,14 @@ def test_code_since_tells_code_from_strings_comments_and_docstrings(tmp_path, mo
     assert study.code_since([first, c]) == "changed in looplm.py (f; +1 −1 lines)"  # code since the first commit
 
 
-def test_the_header_names_the_rows_made_at_each_commit():
-    run = lambda c: ({"commit": c}, {})
-    runs = {"a": {1: run("c1"), 2: run("c1")}, "b": {1: run("c1"), 2: run("c2")}, "c": {1: run("c2"), 2: run("c2")}}
-    assert study.run_commits(runs) == "c1 except `b` seed 2, `c` at c2"
-    assert study.run_commits({"a": {1: run("c1")}}) == "c1"
+def test_the_header_table_names_each_rows_commits_and_the_command_that_made_its_runs():
+    own = lambda c: ({"commit": c}, {})
+    other = ({"commit": "c3", "same_command": False, "argv": ["config/x.py", "--seed", "2", "--out_dir", "/r/b/s2"]}, {})
+    runs = {"a": {1: own("c1"), 2: own("c1")}, "b": {1: own("c1"), 2: other}, "c": {1: own("c2"), 3: own("c1"), 2: own("c2")}}
+    assert study.runs_table(runs)[2:] == [
+        "| `a` | c1 | the row's |",
+        "| `b` | c1 (seed 1); c3 (seed 2) | the row's (seed 1); `python train.py config/x.py --seed S` (seed 2) |",
+        "| `c` | c2 (seeds 1, 2); c1 (seed 3) | the row's |"]
 
 
 def test_a_run_whose_command_now_resolves_to_other_settings_is_told_apart():
