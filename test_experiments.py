@@ -241,11 +241,13 @@ def test_code_since_tells_code_from_strings_comments_and_docstrings(tmp_path, mo
 
 def test_the_header_table_names_each_rows_commits_and_the_command_that_made_its_runs():
     own = lambda c: ({"commit": c}, {})
-    other = ({"commit": "c3", "same_command": False, "argv": ["config/x.py", "--seed", "2", "--out_dir", "/r/b/s2"]}, {})
+    other = ({"commit": "c3", "same_command": False, "argv": ["config/x.py", "--k", "0", "--seed", "2", "--out_dir", "/r/b/s2"],
+              "row_argv": ["config/x.py", "--seed", "2", "--j=4", "--out_dir", "/r/b/s2"]}, {})
     runs = {"a": {1: own("c1"), 2: own("c1")}, "b": {1: own("c1"), 2: other}, "c": {1: own("c2"), 3: own("c1"), 2: own("c2")}}
     assert study.runs_table(runs)[2:] == [
         "| `a` | c1 | the row's |",
-        "| `b` | c1 (seed 1); c3 (seed 2) | the row's (seed 1); `python train.py config/x.py --seed S` (seed 2) |",
+        "| `b` | c1 (seed 1); c3 (seed 2) | the row's (seed 1); `python train.py config/x.py --k 0 --seed S`: names `--k 0`, "
+        "which the row's leaves to the preset; it leaves `--j 4` to the preset (seed 2) |",
         "| `c` | c2 (seeds 1, 2); c1 (seed 3) | the row's |"]
 
 

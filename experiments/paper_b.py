@@ -3,7 +3,7 @@ Paper B (STARS) at CPU scale: 4-digit addition at every depth 1..100, each recip
 
     python experiments/paper_b.py                 # every row on seeds 1-5, two runs at once, and the page paper_b.md
     python experiments/paper_b.py --rows baseline --seeds 6,7   # more seeds of one row (the page then has them)
-    python experiments/paper_b.py --rows baseline,stars          # two rows only (a page of these two)
+    python experiments/paper_b.py --rows baseline,stars          # run two rows only (the page: every finished run)
     python experiments/paper_b.py --device cuda --jobs 8        # on a GPU, eight runs at once
 
 The rows: config/addition_cpu.py (the fixed-4 baseline), Paper B's two ingredients on top of it (depth
@@ -61,8 +61,8 @@ def page(runs, args):
               for name, seeds in runs.items()]
     lines.append("\nA seed fixes the initial weights and each step's problems, depth, STARS direction and dropout "
                  "(`train.step_streams`: each random stream has its own generator): every recipe of one seed trains on "
-                 "the same problems in the same order, but `no_curriculum`, which draws uniform problems where the "
-                 "others draw easy ones until step 400 (the same ones after), and dropout masks agree while depths do.")
+                 "the same problems in the same order (except `no_curriculum`, whose problems are uniform until step "
+                 "400, where the others' are easy), with the same dropout masks at the steps where their depths agree.")
     for proto, title in (("accuracy", f"Strict exact match (%, {n_test:,} held-out problems: space, digits and § right)"),
                          ("accuracy_public", "Paper B's protocol (%, first 100 problems, greedy for the answer's "
                                              "length, digits compared as an integer)")):

@@ -179,6 +179,7 @@ def finished_runs(rows, args):
                     continue
                 meta.update(finished=True, out_dir=path)  # where the run is now (the runs folder may have moved since)
                 meta["same_command"] = same_command(meta, argv)  # else another command made these settings
+                meta["row_argv"] = argv
                 out.setdefault(name, {})[seed] = meta, rep
     if not out:
         raise SystemExit(f"no finished run in {args.runs} for these rows: run the study first")
@@ -360,8 +361,22 @@ def provenance(runs, args):
                            else ".")]
     if table:
         lines += ["\n**Each row's runs:** the commit they were made at, and the command that made them where it is not the "
-                  "row's under \"The recipes\" (seed as S; by seed where the seeds differ).\n", *runs_table(runs)]
+                  "row's under \"The recipes\" (seed as S; by seed where the seeds differ). Where one command names an "
+                  "option the other leaves to the preset, the preset's default for it changed between the two commits: "
+                  "both resolve to the settings in the run's report.json (`study.settings_changed`).\n", *runs_table(runs)]
     return "\n".join(lines) + "\n"
+
+
+def options(argv):
+    """A train.py command's options, {"--name": [its values]}, without PLACES; the preset is under "" """
+    out, key = {}, ""
+    for a in without_places(argv):
+        if a.startswith("--"):
+            key, _, v = a.partition("=")
+            out[key] = [v] if v else []
+        else:
+            out.setdefault(key, []).append(a)
+    return out
 
 
 def runs_table(runs):
@@ -370,7 +385,14 @@ def runs_table(runs):
         if meta.get("same_command", True):
             return "the row's"
         a = without_places(meta["argv"])
-        return "`python train.py " + shlex.join(["S" if i and a[i - 1] == "--seed" else v for i, v in enumerate(a)]) + "`"
+        cell = "`python train.py " + shlex.join(["S" if i and a[i - 1] == "--seed" else v for i, v in enumerate(a)]) + "`"
+        if "row_argv" not in meta:
+            return cell
+        then, now = options(meta["argv"]), options(meta["row_argv"])
+        named = [f"`{shlex.join([k] + v)}`" for k, v in then.items() if k not in now]
+        left = [f"`{shlex.join([k] + v)}`" for k, v in now.items() if k not in then]
+        return cell + "".join([f": names {', '.join(named)}, which the row's leaves to the preset" * bool(named),
+                               f"{'; it' if named else ': it'} leaves {', '.join(left)} to the preset" * bool(left)])
     lines = ["| row | commit | made by |", "|---|---|---|"]
     for name, row in runs.items():
         cells = []
