@@ -39,7 +39,7 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
     drift = next(line for line in lines if line.startswith("- Scale gap"))
     assert "larger on 2 of 3 seeds" in drift  # seed 3: norm 5 < raw 9
     fix = next(line for line in lines if line.startswith("- `raw-perloop`"))
-    assert "gains more from its loops on 3 of 3 seeds" in fix and "on 2 of 3." in fix  # seed 2 ends above norm
+    assert "gains more from its loops on 3 of 3 seeds" in fix and "on 2 of 3 (Paper A" in fix  # seed 2 ends above norm
     frozen = next(line for line in lines if line.startswith("- Lemma 2"))
     assert "smaller for `norm` on 2 of 3 seeds" in frozen  # the step is 0.1 / scale: seed 3's norm run is the small one
     across = next(line for line in lines if line.startswith("- Lemma 2 is for a fixed network"))
@@ -179,8 +179,9 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
     assert again.returncode == 0 and "done: baseline seed 1 (" in again.stdout
     assert equivalent == json.load(open(tmp_path / "runs" / "baseline" / "s1" / "run.json"))  # not run again
     assert "| `baseline` | " in (tmp_path / "paper_b-quick.md").read_text()  # the header's table names that command
-    assert " | `python train.py config/addition_cpu.py --n_loops 4 --seed S --device cpu" in \
-        (tmp_path / "paper_b-quick.md").read_text().split("| `baseline` | ")[1].split("\n")[0]
+    cell = (tmp_path / "paper_b-quick.md").read_text().split("| `baseline` | ")[1].split("\n")[0]
+    assert " | `python train.py config/addition_cpu.py --n_loops 4 --seed S --device cpu" in cell
+    assert cell.endswith(": names `--n_loops 4`, which the row's leaves to the preset |")  # and says how it differs
     # a preset edited since a run finished (here: its report says another learning rate): run again, not reused
     rep_path = tmp_path / "runs" / "baseline" / "s1" / "report.json"
     rep = json.load(open(rep_path))
@@ -237,6 +238,13 @@ def test_code_since_tells_code_from_strings_comments_and_docstrings(tmp_path, mo
     (tmp_path / "looplm.py").write_text(src.replace("return x", "return x + 'b'"))
     assert study.code_since([c]) == "changed in looplm.py (f: string constants only; +1 −1 lines)"  # help text, a message
     assert study.code_since([first, c]) == "changed in looplm.py (f; +1 −1 lines)"  # code since the first commit
+
+
+def test_options_reads_values_flags_and_presets_anywhere_in_a_command():
+    argv = ["--stars_supervised", "config/y.py", "--n_loops", "4", "config/x.py", "--learning_rate=-1e-3", "--tag=",
+            "--out_dir", "/r/b/s1", "--data_dir=/d"]
+    assert study.options(argv) == {"--stars_supervised": [], "": ["config/y.py", "config/x.py"], "--n_loops": ["4"],
+                                   "--learning_rate": ["-1e-3"], "--tag": [""]}
 
 
 def test_the_header_table_names_each_rows_commits_and_the_command_that_made_its_runs():

@@ -178,7 +178,7 @@ def page(runs, args):
     lines += ["\nA recipe's name is its parts: " + "; ".join(f"`{k}` {v}" for k, v in PARTS.items()) + ". Depth is "
              "sampled as in `mean4` unless the name has `baseline`, `deep` or `deq16`. A seed fixes the initial weights, "
              "the batches and the validation windows: every recipe of one seed trains on the same batches in the same "
-             "order and is scored on the same windows (`train.step_streams`).\n",
+             "order (`train.step_streams`) and is scored on the same windows (`report.evaluate_lm`).\n",
              "\nRecipes (`python train.py` options; each run adds `--seed S`):\n"]
     lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
     missing = [name for name in ROWS if name not in runs]

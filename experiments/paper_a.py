@@ -279,6 +279,9 @@ def claims(runs):
         out.append(f"- Radial blindness: radial fraction {min(blind):.1e} to {max(blind):.1e} for all {len(blind)} runs read "
                    f"out through RMSNorm, {min(seen):.1e} to {max(seen):.1e} for the {len(seen)} `raw` runs "
                    "(Paper A: 1e-9 to 1e-8, ~1e-2).")
+    # Paper A's own numbers for the same comparison (129M, per-loop CE, three-seed mean PPL per token at K = 4)
+    PAPER_PPL = {r: f" (Paper A, 129M, PPL per token at K = 4: {v} against `norm`'s 4.97)"
+                 for r, v in (("raw-perloop", "4.55"), ("final_norm-perloop", "4.55"), ("norm-perloop-penalty", "4.53"))}
     for fix, base in (("raw-perloop", "norm-perloop"), ("final_norm-perloop", "norm-perloop"),
                       ("norm-perloop-penalty", "norm-perloop"), ("norm-perloop-loop_norm", "norm-perloop"),
                       ("raw-terminal", "norm-terminal"), ("norm-terminal-penalty", "norm-terminal"),
@@ -291,7 +294,7 @@ def claims(runs):
                      f"{mr([gain(base, s) for s in seeds], '+.3f')}: gains more from its loops on {more} of {len(seeds)} seeds"
                      if trained(runs[base][seeds[0]][1], 1) else "terminal CE, so loops 1 to 3 are not trained to be read out")
             out.append(f"- `{fix}`: {loops}; lower PPL at K = 4 ({mr([at(fix, s)['ppl'] for s in seeds], '.3f')} against "
-                       f"{mr([at(base, s)['ppl'] for s in seeds], '.3f')}) on {better} of {len(seeds)}.")
+                       f"{mr([at(base, s)['ppl'] for s in seeds], '.3f')}) on {better} of {len(seeds)}{PAPER_PPL.get(fix, '')}.")
     # (with loop_norm the next loop sees RMSNorm(H_k) whatever H_k's scale, so the clamp changes nothing: 0 by construction)
     clamp = [at(r, s)["clamp_delta_ce"] for r in runs if "perloop" in r and "raw" not in r and "loop_norm" not in r
              for s in runs[r]]

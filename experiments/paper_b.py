@@ -57,8 +57,8 @@ def page(runs, args):
     lines.append("\n## The recipes\n\n`python train.py` options; each run adds `--seed S`. Loops a step: the mean over the "
                  "training steps' depths, all / with gradient (`report.training_loops`, the first seed's draws): the compute a "
                  "recipe spends, which depth sampling raises. Names: until commit ce25268 the preset cut the gradient "
-                 "to the last 4 loops (`grad_loops` 4), the rows now named `_grad4` had the plain names and the full-gradient "
-                 "ones were `_fullgrad` (older commit messages use those names).\n")
+                 "to the last 4 loops (`grad_loops` 4); the rows now named `_grad4` had the plain names, and the "
+                 "full-gradient ones were `_fullgrad` (older commit messages use those names).\n")
     lines += [f"- `{name}`: `{ROWS[name]}` (loops a step: {training_loops(next(iter(seeds.values()))[1]['config'])})"
               for name, seeds in runs.items()]
     lines.append("\nA seed fixes the initial weights and each step's problems, depth, STARS direction and dropout "
@@ -96,9 +96,9 @@ def page(runs, args):
     if penalized:
         lines.append("\nThe penalty's own estimate, ‖vᵀJ‖ from log.jsonl (mean over the last 10% of training steps): "
                      + "; ".join(f"`{name}` {v}" for name, v in penalized.items()) + ". It is taken on other states "
-                     "than ρ above (a training batch at the step's sampled depth, dropout on, every position but in "
-                     "`stars_supervised`), and it "
-                     "estimates the mean squared singular value, not ρ (`stars.py`): do not compare the two.")
+                     "than ρ above (a training batch at the step's depth, dropout on, every position; "
+                     "`stars_supervised`: the supervised ones), and its square estimates the mean squared singular "
+                     "value, not ρ² (`stars.py`): do not compare the two.")
     lines.append(f"\n## Each seed: strict exact match (%) at {K}, 64 and 100 loops; when it left the plateau\n")
     has_pos = any("answer_positions" in rep["addition"] for r in runs.values() for _, rep in r.values())
     lines.append("On the loss plateau the model gets the space and the last answer position right and every other digit "
@@ -121,20 +121,23 @@ def page(runs, args):
     # two panels: Paper B's recipe and its parts, with their min-max bands (left); the variants, means only, with
     # `sampling` again to compare against (right: eight bands would hide each other)
     main = [n for n in ("baseline", "sampling", "stars", "stars_fixed") if n in runs]
-    panels = [("Paper B's parts", main), ("variants, against sampling", [n for n in runs if n not in main or n == "sampling"])]
-    panels = [(title, names) for title, names in panels if names]
-    fig, axes = plt.subplots(1, len(panels), figsize=(13, 4), sharey=True, squeeze=False)
+    rest = [n for n in runs if n not in main]
+    panels = [(True, "Paper B's parts", main)] * bool(main) + [
+        (not main, "variants" + ", against sampling" * ("sampling" in runs), [n for n in runs if n in rest or n == "sampling"])
+    ] * bool(rest)  # (with bands, title, rows)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4), sharey=True, squeeze=False)
     colour = dict(zip(runs, study.colours()))  # one colour per row, the same in both panels
-    for i, (ax, (title, names)) in enumerate(zip(axes[0], panels)):
+    for ax, (bands, title, names) in zip(axes[0], panels):
         for name in names:
             seeds = runs[name]
             ks = sorted(int(k) for k in next(iter(seeds.values()))[1]["addition"]["accuracy"])
             vals = [[100 * acc(rep, k) for _, rep in seeds.values()] for k in ks]
             ax.plot(ks, [sum(v) / len(v) for v in vals], color=colour[name], label=f"{name} (mean of {len(seeds)})")
-            if i == 0:
+            if bands:
                 ax.fill_between(ks, [min(v) for v in vals], [max(v) for v in vals], color=colour[name], alpha=0.15)
         ax.set(xlabel="loops at inference", xscale="log", title=f"addition, held out: {title}")
-        ax.legend(fontsize=7, **({"loc": "center left", "bbox_to_anchor": (0.55, 0.35)} if i == 0 else {"loc": "upper left", "bbox_to_anchor": (1.01, 1)}))
+        ax.legend(fontsize=7, **({"loc": "center left", "bbox_to_anchor": (0.55, 0.35)} if ax is axes[0][0] and main
+                                 else {"loc": "upper left", "bbox_to_anchor": (1.01, 1)}))
     axes[0][0].set_ylabel("strict exact match (%)")
     png = study.savefig(fig, args, "accuracy")
     lines.insert(2, f"\n![strict exact match against loops: seed means; left, with the min–max band]({png})\n")
