@@ -249,7 +249,7 @@ def test_options_reads_values_flags_and_presets_anywhere_in_a_command():
 
 def test_the_header_table_names_each_rows_commits_and_the_command_that_made_its_runs():
     own = lambda c: ({"commit": c}, {})
-    other = ({"commit": "c3", "same_command": False, "argv": ["config/x.py", "--k", "0", "--seed", "2", "--out_dir", "/r/b/s2"],
+    other = ({"commit": "c3", "argv": ["config/x.py", "--k", "0", "--seed", "2", "--out_dir", "/r/b/s2"],
               "row_argv": ["config/x.py", "--seed", "2", "--j=4", "--out_dir", "/r/b/s2"]}, {})
     runs = {"a": {1: own("c1"), 2: own("c1")}, "b": {1: own("c1"), 2: other}, "c": {1: own("c2"), 3: own("c1"), 2: own("c2")}}
     assert study.runs_table(runs)[2:] == [

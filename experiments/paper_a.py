@@ -200,6 +200,11 @@ def loop1_claims(runs, probes):
     return out
 
 
+# Paper A's own PPL for the same comparison (129M, per-loop CE, three-seed mean per token at K = 4)
+PAPER_PPL = {row: f" (Paper A, 129M, PPL per token at K = 4: {v} against `norm`'s 4.97)"
+             for row, v in (("raw-perloop", "4.55"), ("final_norm-perloop", "4.55"), ("norm-perloop-penalty", "4.53"))}
+
+
 def claims(runs):
     """Each of Paper A's claims as one line: the seed mean (min–max) and on how many seeds it holds."""
     from checkpoint import read_log
@@ -279,9 +284,6 @@ def claims(runs):
         out.append(f"- Radial blindness: radial fraction {min(blind):.1e} to {max(blind):.1e} for all {len(blind)} runs read "
                    f"out through RMSNorm, {min(seen):.1e} to {max(seen):.1e} for the {len(seen)} `raw` runs "
                    "(Paper A: 1e-9 to 1e-8, ~1e-2).")
-    # Paper A's own numbers for the same comparison (129M, per-loop CE, three-seed mean PPL per token at K = 4)
-    PAPER_PPL = {r: f" (Paper A, 129M, PPL per token at K = 4: {v} against `norm`'s 4.97)"
-                 for r, v in (("raw-perloop", "4.55"), ("final_norm-perloop", "4.55"), ("norm-perloop-penalty", "4.53"))}
     for fix, base in (("raw-perloop", "norm-perloop"), ("final_norm-perloop", "norm-perloop"),
                       ("norm-perloop-penalty", "norm-perloop"), ("norm-perloop-loop_norm", "norm-perloop"),
                       ("raw-terminal", "norm-terminal"), ("norm-terminal-penalty", "norm-terminal"),

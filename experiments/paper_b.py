@@ -91,8 +91,8 @@ def page(runs, args):
         reps = [rep["addition"] for _, rep in seeds.values()]
         lines.append(f"| {name} | " + " | ".join(mr([rho(rep, k) for _, rep in seeds.values()], ".3f") for k in deep)
                      + " | " + " | ".join(mr([a.get("relative_step", {}).get(str(k)) for a in reps], ".1e") for k in deep) + " |")
-    penalized = {name: mr([logged_jv(meta) for meta, _ in seeds.values()], ".2f") for name, seeds in runs.items()
-                 if deep and "stars" in name}
+    logged = {name: [logged_jv(meta) for meta, _ in seeds.values()] for name, seeds in runs.items()} if deep else {}
+    penalized = {name: mr(v, ".2f") for name, v in logged.items() if any(x is not None for x in v)}  # the STARS rows
     if penalized:
         lines.append("\nThe penalty's own estimate, ‖vᵀJ‖ from log.jsonl (mean over the last 10% of training steps): "
                      + "; ".join(f"`{name}` {v}" for name, v in penalized.items()) + ". It is taken on other states "

@@ -121,6 +121,12 @@ def finished(meta, argv, out_dir):
                                            and os.path.getmtime(rep) >= os.path.getmtime(ckpt))
 
 
+def by_row(meta):
+    """Whether a finished run (from finished_runs) was made by its row's command as it reads now; else by another
+    command that resolves to the same settings."""
+    return "row_argv" not in meta or same_command(meta, meta["row_argv"])
+
+
 def run_one(argv, out_dir):
     """train.py once, unless out_dir holds a finished run at the settings argv resolves to, whatever command made
     it (assumed the same run: the settings include the thread count, not the machine); returns (run.json, report). A
@@ -178,8 +184,7 @@ def finished_runs(rows, args):
                     print(f"left off the page: {path} {why}; rerun the study")
                     continue
                 meta.update(finished=True, out_dir=path)  # where the run is now (the runs folder may have moved since)
-                meta["same_command"] = same_command(meta, argv)  # else another command made these settings
-                meta["row_argv"] = argv  # (both read by provenance and runs_table for the header)
+                meta["row_argv"] = argv  # the row's command now: the header tells a run another command made (by_row)
                 out.setdefault(name, {})[seed] = meta, rep
     if not out:
         raise SystemExit(f"no finished run in {args.runs} for these rows: run the study first")
@@ -324,9 +329,9 @@ def provenance(runs, args):
     seeds = sorted({s for r in runs.values() for s in r})
     commits = sorted({m["commit"] for m in metas})
     threads = {0: "torch's default threads", 1: "1 thread each"}.get(args.threads, f"{args.threads} threads each")
-    other = any(not m.get("same_command", True) for m in metas)  # some runs were made by another command
+    other = not all(map(by_row, metas))  # some runs were made by another command
     # one run's own command, without where its run and data live (PLACES): one its row's command made, if any
-    own = next((m["argv"] for m in metas if m.get("same_command", True)), None)
+    own = next((m["argv"] for m in metas if by_row(m)), None)
     argv = own or metas[0]["argv"]
     shown = without_places(argv)
     tail = shown[shown.index("--seed"):] if "--seed" in shown else []  # what follows a row's options (study.command)
@@ -387,12 +392,10 @@ def options(argv):
 def runs_table(runs):
     """The header's table: per row, the commit(s) its runs were made at and the command(s) that made them."""
     def made_by(meta):
-        if meta.get("same_command", True):
+        if by_row(meta):
             return "the row's"
         a = without_places(meta["argv"])
         cell = "`python train.py " + shlex.join(["S" if i and a[i - 1] == "--seed" else v for i, v in enumerate(a)]) + "`"
-        if "row_argv" not in meta:
-            return cell
         then, now = options(meta["argv"]), options(meta["row_argv"])
         named = [f"`{shlex.join([k] + v)}`" for k, v in then.items() if k and k not in now]
         left = [f"`{shlex.join([k] + v)}`" for k, v in now.items() if k and k not in then]
