@@ -368,8 +368,8 @@ def provenance(runs, args):
         lines += ["\n**Each row's runs:** the commit they were made at, and the command that made them where it is not the "
                   "row's under \"The recipes\" (seed as S; by seed where the seeds differ)." + (
                       " Both commands resolve to the settings in the run's report.json (`study.settings_changed`): an "
-                      "option only one of them names is one the other's preset (or train.py's default) set to the same "
-                      "value at its commit." if other else "") + "\n",
+                      "option only one of them names, the other got at the same value without naming it (from its preset "
+                      "or train.py's defaults, at its commit)." if other else "") + "\n",
                   *runs_table(runs)]
     return "\n".join(lines) + "\n"
 
@@ -399,8 +399,8 @@ def runs_table(runs):
         then, now = options(meta["argv"]), options(meta["row_argv"])
         named = [f"`{shlex.join([k] + v)}`" for k, v in then.items() if k and k not in now]
         left = [f"`{shlex.join([k] + v)}`" for k, v in now.items() if k and k not in then]
-        return cell + "".join([f": names {', '.join(named)}, the row's value now, from its preset" * bool(named),
-                               f"{'; it' if named else ': it'} leaves {', '.join(left)} to its preset, which set that value then" * bool(left)])
+        return cell + "".join([f": names {', '.join(named)}, the value the row's command now gets without naming it" * bool(named),
+                               f"{'; it' if named else ': it'} leaves {', '.join(left)} unnamed, which gave that value then" * bool(left)])
     lines = ["| row | commit | made by |", "|---|---|---|"]
     for name, row in runs.items():
         cells = []
