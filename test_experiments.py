@@ -108,7 +108,7 @@ def test_depth_goal_pairs_each_seed_with_its_baseline_and_finds_the_frontier():
     assert "- `flat`: cost at K +0.150 (+0.000–+0.300), rise +0.005 (+0.005–+0.005); meets the goal on 1 of 2 seeds" in lines
     front = next(line for line in lines if line.lstrip().startswith("The frontier"))
     assert "`baseline` (cost +0.000, rise +0.550)" in front and "`flat`" in front and "worse" not in front
-    assert lines[-1].endswith("`flat`, 0.130 nats away.")  # 0.15 - 0.02 over the cost bound, the rise within
+    assert lines[-1].endswith("`flat`, cost +0.150, rise +0.005: 0.130 nats away.")  # 0.15 - 0.02 over the cost bound
     runs = {"baseline": {1: run(2.0, 2.6), 2: run(2.1, 2.6)}, "mean4": {1: run(2.0, 2.2), 2: run(2.2, 2.3)}}
     lesson = depth.lessons(runs)[-1]  # per seed: cost 0 / +0.1, rise 0.6 → 0.2 / 0.5 → 0.1
     assert lesson == ("- depth sampling (`mean4` against `baseline`): cost +0.050 (+0.000–+0.100), rise -0.400 "

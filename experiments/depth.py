@@ -125,8 +125,9 @@ def goal(runs):
                  + ", ".join(f"`{n}` (cost {c:+.3f}, rise {r:+.3f})" for (c, r), n in front) + ".")
     excess = {n: max(0.0, c - 0.02) + max(0.0, r - 0.01) for n, (c, r) in means.items()}
     best = min(excess, key=excess.get)
-    lines.append(f"Closest to the goal (cost above +0.02 plus rise above +0.01, seed means): `{best}`, "
-                 f"{excess[best]:.3f} nats away.")
+    c, r = means[best]
+    lines.append(f"Closest to the goal (by how far its seed-mean cost and rise pass +0.02 and +0.01, summed): `{best}`, "
+                 f"cost {c:+.3f}, rise {r:+.3f}: {excess[best]:.3f} nats away.")
     return lines
 
 
