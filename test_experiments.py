@@ -181,7 +181,7 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
     assert "| `baseline` | " in (tmp_path / "paper_b-quick.md").read_text()  # the header's table names that command
     cell = (tmp_path / "paper_b-quick.md").read_text().split("| `baseline` | ")[1].split("\n")[0]
     assert " | `python train.py config/addition_cpu.py --n_loops 4 --seed S --device cpu" in cell
-    assert cell.endswith(": names `--n_loops 4`, the value the row's command now gets without naming it |")  # and says how it differs
+    assert cell.endswith(": spells out `--n_loops 4`, today's default (the same settings) |")  # and says how it differs
     # a preset edited since a run finished (here: its report says another learning rate): run again, not reused
     rep_path = tmp_path / "runs" / "baseline" / "s1" / "report.json"
     rep = json.load(open(rep_path))
@@ -254,8 +254,9 @@ def test_the_header_table_names_each_rows_commits_and_the_command_that_made_its_
     runs = {"a": {1: own("c1"), 2: own("c1")}, "b": {1: own("c1"), 2: other}, "c": {1: own("c2"), 3: own("c1"), 2: own("c2")}}
     assert study.runs_table(runs)[2:] == [
         "| `a` | c1 | the row's |",
-        "| `b` | c1 (seed 1); c3 (seed 2) | the row's (seed 1); `python train.py config/x.py --k 0 --seed S`: names `--k 0`, "
-        "the value the row's command now gets without naming it; it leaves `--j 4` unnamed, which gave that value then (seed 2) |",
+        "| `b` | c1 (seed 1); c3 (seed 2) | the row's (seed 1); `python train.py config/x.py --k 0 --seed S`: spells out "
+        "`--k 0`, today's default (the same settings); it leaves `--j 4` to the defaults of its commit (the same settings) "
+        "(seed 2) |",
         "| `c` | c2 (seeds 1, 2); c1 (seed 3) | the row's |"]
 
 

@@ -1,7 +1,8 @@
 """
 train.py: train and evaluate looped LMs, on one GPU, on a CPU, or on several processes (torchrun).
 
-    python train.py --readout raw --per_loop_ce                  # Paper A's 44M shape on WikiText-103
+    python train.py --readout raw --per_loop_ce                  # Paper A's 44M shape on WikiText-103, GPT-2 BPE
+    python train.py config/wikitext103_44m.py                    # Paper A's own recipe (its tokens, per-loop CE)
     python train.py config/cpu_tiny.py                           # a real run on a 2-core CPU, no download
     python train.py config/addition_cpu.py --stars_lambda 0.1 --loop_sampling lognormal   # Paper B's addition
     python train.py --eval_only --init_from resume --out_dir out # re-evaluate a checkpoint

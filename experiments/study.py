@@ -399,8 +399,8 @@ def runs_table(runs):
         then, now = options(meta["argv"]), options(meta["row_argv"])
         named = [f"`{shlex.join([k] + v)}`" for k, v in then.items() if k and k not in now]
         left = [f"`{shlex.join([k] + v)}`" for k, v in now.items() if k and k not in then]
-        return cell + "".join([f": names {', '.join(named)}, the value the row's command now gets without naming it" * bool(named),
-                               f"{'; it' if named else ': it'} leaves {', '.join(left)} unnamed, which gave that value then" * bool(left)])
+        return cell + "".join([f": spells out {', '.join(named)}, today's default (the same settings)" * bool(named),
+                               f"{'; it' if named else ': it'} leaves {', '.join(left)} to the defaults of its commit (the same settings)" * bool(left)])
     lines = ["| row | commit | made by |", "|---|---|---|"]
     for name, row in runs.items():
         cells = []
