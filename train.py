@@ -115,7 +115,7 @@ class TrainConfig:
     dtype: str = setting("auto", "auto: bfloat16 on CUDA, float32 on CPU", choices=("auto", "float32", "bfloat16"))
     compile: bool = setting(False, "torch.compile the loop step (the STARS penalty stays eager)")
     seed: int = setting(1337, "random seed: init, data order, dropout, sampled depths, STARS's direction "
-                              "(train.step_streams)", lo=0, hi=2**32 - 1)
+                              "(train.step_streams), the validation windows", lo=0, hi=2**32 - 1)
     num_threads: int = setting(0, "CPU threads (0 = torch's default)", lo=0, hi=4096)
 
 
