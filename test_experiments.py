@@ -228,16 +228,16 @@ def test_code_since_tells_code_from_strings_comments_and_docstrings(tmp_path, mo
     (tmp_path / "looplm.py").write_text(src.replace("Old.", "New.").replace("# old", "# new"))
     assert study.code_since([c]) == "unchanged (looplm.py: comments and docstrings only)"
     (tmp_path / "looplm.py").write_text(src.replace("return x", "return -x"))
-    assert study.code_since([c]) == "changed in looplm.py (f; +1 −1 lines)"  # the function whose code changed is named
+    assert study.code_since([c]) == "changed in looplm.py (f (`− return x` `+ return -x`); +1 −1 lines)"  # named, with its lines
     (tmp_path / "looplm.py").write_text(src + "g = f\n")
     assert study.code_since([c]) == "changed in looplm.py (module; +1 −0 lines)"
     (tmp_path / "looplm.py").write_text(src.replace("return x", "return x + 'a'"))
-    assert study.code_since([c]) == "changed in looplm.py (f; +1 −1 lines)"  # a string that was not there: code
+    assert study.code_since([c]) == "changed in looplm.py (f (`− return x` `+ return x + 'a'`); +1 −1 lines)"  # new string: code
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "two")
     first, c = c, git("rev-parse", "--short", "HEAD")
     (tmp_path / "looplm.py").write_text(src.replace("return x", "return x + 'b'"))
     assert study.code_since([c]) == "changed in looplm.py (f: string constants only; +1 −1 lines)"  # help text, a message
-    assert study.code_since([first, c]) == "changed in looplm.py (f; +1 −1 lines)"  # code since the first commit
+    assert study.code_since([first, c]) == "changed in looplm.py (f (`− return x` `+ return x + 'b'`); +1 −1 lines)"  # since the first
 
 
 def test_options_reads_values_flags_and_presets_anywhere_in_a_command():

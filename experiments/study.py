@@ -238,23 +238,28 @@ TRAINING_CODE = ("looplm.py", "stars.py", "train.py", "report.py", "data.py", "c
 
 def code_since(commits):
     """What changed in TRAINING_CODE between the commits and the working tree, in words: "unchanged", "changed in
-    a.py (f, g: string constants only; +3 −1 lines), b.py (...)" naming the top-level functions and classes whose code
-    changed (": string constants only" where only those did: help text, messages, but also a key or a compared value),
+    a.py (f (`+ x = 1`), g: string constants only; +3 −1 lines), b.py (...)" naming the top-level functions and classes
+    whose code changed, with their first changed lines (": string constants only" where only those did: help text,
+    messages, but also a key or a compared value),
     those whose docstrings alone changed ("docstrings of h") and the lines git counts, or "... in comments and
     docstrings only" where the syntax trees without docstrings are the same."""
-    import ast
+    import ast, difflib
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
+
+    def undoc(tree):  # the tree without its docstrings
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
+                    getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        return tree
 
     def bare(source, strings=True, docs=False):  # {top-level function or class: its syntax tree without docstrings
         try:                                        # (docs=True: with them; strings=False: every string constant
             tree = ast.parse(source)                # blanked)} (the rest: "module"), or None
         except (SyntaxError, TypeError):
             return None
-        for node in ast.walk(tree):
-            body = getattr(node, "body", None)
-            if not docs and isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
-                    getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
-                node.body = body[1:] or [ast.Pass()]
+        for node in ast.walk(tree if docs else undoc(tree)):
             if not strings and isinstance(node, ast.Constant) and isinstance(node.value, str):
                 node.value = ""
         parts = {n.name: ast.dump(n) for n in tree.body if hasattr(n, "name")}
@@ -288,7 +293,18 @@ def code_since(commits):
     first = oldest(commits)  # the diff's lines, counted from the earliest run commit (binary files: "-", left out)
     numstat = lambda f: git("diff", "--numstat", first, "--", f).stdout.split()[:2]
     count = lambda f: (lambda n: f"+{n[0]} −{n[1]} lines" if len(n) == 2 and all(x.isdigit() for x in n) else "")(numstat(f))
-    names = lambda f: ", ".join([k + (": string constants only" if only else "") for k, only in sorted(changed[f].items())]
+    def lines(f, k):  # the first code lines of k that changed since `first`, without comments and docstrings
+        def code(source):
+            node = next((n for n in ast.parse(source).body if getattr(n, "name", None) == k), None) if source else None
+            return ast.unparse(undoc(node)).splitlines() if node else []
+        path = os.path.join(ROOT, f)
+        diff = [d for d in difflib.unified_diff(code(git("show", f"{first}:{f}").stdout),
+                                               code(open(path).read() if os.path.exists(path) else ""), n=0, lineterm="")
+                if d[:1] in "+-" and d[:3] not in ("+++", "---")]
+        short = lambda d: f"`{d[0].replace('-', '−')} {d[1:].strip()[:60]}{'…' * (len(d[1:].strip()) > 60)}`"
+        return f" ({' '.join(map(short, diff[:3]))}{' …' * (len(diff) > 3)})" if diff else ""
+    names = lambda f: ", ".join([k + (": string constants only" if only else lines(f, k) if k != "module" else "")
+                                 for k, only in sorted(changed[f].items())]
                                 + ([f"docstrings of {', '.join(sorted(docs[f] - set(changed[f])))}"]
                                    if docs.get(f, set()) - set(changed[f]) else []))
     where = ", ".join(f + f" ({'; '.join(x for x in (names(f), count(f)) if x)})" if f.endswith(".py") else f
