@@ -181,7 +181,7 @@ def test_paper_b_quick_writes_its_page_from_the_reports_and_skips_finished_runs(
     assert "| `baseline` | " in (tmp_path / "paper_b-quick.md").read_text()  # the header's table names that command
     cell = (tmp_path / "paper_b-quick.md").read_text().split("| `baseline` | ")[1].split("\n")[0]
     assert " | `python train.py config/addition_cpu.py --n_loops 4 --seed S --device cpu" in cell
-    assert cell.endswith(": spells out `--n_loops 4`, today's default (the same settings) |")  # and says how it differs
+    assert cell.endswith(": spells out `--n_loops 4` (the same recorded settings) |")  # and says how it differs
     # a preset edited since a run finished (here: its report says another learning rate): run again, not reused
     rep_path = tmp_path / "runs" / "baseline" / "s1" / "report.json"
     rep = json.load(open(rep_path))
@@ -228,16 +228,16 @@ def test_code_since_tells_code_from_strings_comments_and_docstrings(tmp_path, mo
     (tmp_path / "looplm.py").write_text(src.replace("Old.", "New.").replace("# old", "# new"))
     assert study.code_since([c]) == "unchanged (looplm.py: comments and docstrings only)"
     (tmp_path / "looplm.py").write_text(src.replace("return x", "return -x"))
-    assert study.code_since([c]) == "changed in looplm.py (f (`− return x` `+ return -x`); +1 −1 lines)"  # named, with its lines
+    assert study.code_since([c]) == "changed in looplm.py (f; +1 −1 lines)"  # the function whose code changed is named
     (tmp_path / "looplm.py").write_text(src + "g = f\n")
     assert study.code_since([c]) == "changed in looplm.py (module; +1 −0 lines)"
     (tmp_path / "looplm.py").write_text(src.replace("return x", "return x + 'a'"))
-    assert study.code_since([c]) == "changed in looplm.py (f (`− return x` `+ return x + 'a'`); +1 −1 lines)"  # new string: code
+    assert study.code_since([c]) == "changed in looplm.py (f; +1 −1 lines)"  # a string that was not there: code
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "two")
     first, c = c, git("rev-parse", "--short", "HEAD")
     (tmp_path / "looplm.py").write_text(src.replace("return x", "return x + 'b'"))
     assert study.code_since([c]) == "changed in looplm.py (f: string constants only; +1 −1 lines)"  # help text, a message
-    assert study.code_since([first, c]) == "changed in looplm.py (f (`− return x` `+ return x + 'b'`); +1 −1 lines)"  # since the first
+    assert study.code_since([first, c]) == "changed in looplm.py (f; +1 −1 lines)"  # code since the first commit
 
 
 def test_options_reads_values_flags_and_presets_anywhere_in_a_command():
@@ -255,8 +255,7 @@ def test_the_header_table_names_each_rows_commits_and_the_command_that_made_its_
     assert study.runs_table(runs)[2:] == [
         "| `a` | c1 | the row's |",
         "| `b` | c1 (seed 1); c3 (seed 2) | the row's (seed 1); `python train.py config/x.py --k 0 --seed S`: spells out "
-        "`--k 0`, today's default (the same settings); it leaves `--j 4` to the defaults of its commit (the same settings) "
-        "(seed 2) |",
+        "`--k 0`; it leaves `--j 4` unnamed (the same recorded settings) (seed 2) |",
         "| `c` | c2 (seeds 1, 2); c1 (seed 3) | the row's |"]
 
 

@@ -33,8 +33,8 @@ def page(runs, args):
              "run (`report.json`)" + (f"; strict exact match (%) on {n_test:,} held-out problems at each depth" if n_test
                                       else "") + ". The addition rows are Paper B's study's seed 1 with torch's "
              "default threads (there: one thread), which moves the last bits of a float sum; training at sampled "
-             "depths can grow that into a gap at every depth, at 64 and 100 loops as large as one between seeds "
-             "(compare paper_b.md's seed 1): compare runs at equal threads.\n", "| command | seconds | result |\n|---|---|---|"]
+             "depths can grow that into a gap at any depth as large as one between seeds (compare paper_b.md's seed "
+             "1): compare runs at equal threads.\n", "| command | seconds | result |\n|---|---|---|"]
     for name, seeds in runs.items():
         meta, rep = next(iter(seeds.values()))
         if "addition" in rep:

@@ -238,28 +238,23 @@ TRAINING_CODE = ("looplm.py", "stars.py", "train.py", "report.py", "data.py", "c
 
 def code_since(commits):
     """What changed in TRAINING_CODE between the commits and the working tree, in words: "unchanged", "changed in
-    a.py (f (`+ x = 1`), g: string constants only; +3 −1 lines), b.py (...)" naming the top-level functions and classes
-    whose code changed, with their first changed lines (": string constants only" where only those did: help text,
-    messages, but also a key or a compared value),
+    a.py (f, g: string constants only; +3 −1 lines), b.py (...)" naming the top-level functions and classes whose code
+    changed (": string constants only" where only those did: help text, messages, but also a key or a compared value),
     those whose docstrings alone changed ("docstrings of h") and the lines git counts, or "... in comments and
     docstrings only" where the syntax trees without docstrings are the same."""
-    import ast, difflib
+    import ast
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
-
-    def undoc(tree):  # the tree without its docstrings
-        for node in ast.walk(tree):
-            body = getattr(node, "body", None)
-            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
-                    getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
-                node.body = body[1:] or [ast.Pass()]
-        return tree
 
     def bare(source, strings=True, docs=False):  # {top-level function or class: its syntax tree without docstrings
         try:                                        # (docs=True: with them; strings=False: every string constant
             tree = ast.parse(source)                # blanked)} (the rest: "module"), or None
         except (SyntaxError, TypeError):
             return None
-        for node in ast.walk(tree if docs else undoc(tree)):
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if not docs and isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
+                    getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
             if not strings and isinstance(node, ast.Constant) and isinstance(node.value, str):
                 node.value = ""
         parts = {n.name: ast.dump(n) for n in tree.body if hasattr(n, "name")}
@@ -293,18 +288,7 @@ def code_since(commits):
     first = oldest(commits)  # the diff's lines, counted from the earliest run commit (binary files: "-", left out)
     numstat = lambda f: git("diff", "--numstat", first, "--", f).stdout.split()[:2]
     count = lambda f: (lambda n: f"+{n[0]} −{n[1]} lines" if len(n) == 2 and all(x.isdigit() for x in n) else "")(numstat(f))
-    def lines(f, k):  # the first code lines of k that changed since `first`, without comments and docstrings
-        def code(source):
-            node = next((n for n in ast.parse(source).body if getattr(n, "name", None) == k), None) if source else None
-            return ast.unparse(undoc(node)).splitlines() if node else []
-        path = os.path.join(ROOT, f)
-        diff = [d for d in difflib.unified_diff(code(git("show", f"{first}:{f}").stdout),
-                                               code(open(path).read() if os.path.exists(path) else ""), n=0, lineterm="")
-                if d[:1] in "+-" and d[:3] not in ("+++", "---")]
-        short = lambda d: f"`{d[0].replace('-', '−')} {d[1:].strip()[:60]}{'…' * (len(d[1:].strip()) > 60)}`"
-        return f" ({' '.join(map(short, diff[:3]))}{' …' * (len(diff) > 3)})" if diff else ""
-    names = lambda f: ", ".join([k + (": string constants only" if only else lines(f, k) if k != "module" else "")
-                                 for k, only in sorted(changed[f].items())]
+    names = lambda f: ", ".join([k + (": string constants only" if only else "") for k, only in sorted(changed[f].items())]
                                 + ([f"docstrings of {', '.join(sorted(docs[f] - set(changed[f])))}"]
                                    if docs.get(f, set()) - set(changed[f]) else []))
     where = ", ".join(f + f" ({'; '.join(x for x in (names(f), count(f)) if x)})" if f.endswith(".py") else f
@@ -383,9 +367,9 @@ def provenance(runs, args):
     if table:
         lines += ["\n**Each row's runs:** the commit they were made at, and the command that made them where it is not the "
                   "row's under \"The recipes\" (seed as S; by seed where the seeds differ)." + (
-                      " Both commands resolve to the settings in the run's report.json (`study.settings_changed`): an "
-                      "option only one of them names, the other got at the same value without naming it (from its preset "
-                      "or train.py's defaults, at its commit)." if other else "") + "\n",
+                      " Both commands resolve to the settings recorded in the run's report.json (`study.settings_changed`: "
+                      "every setting but where a run and its data live and how it was started), so an option only one "
+                      "of them names changes none of those." if other else "") + "\n",
                   *runs_table(runs)]
     return "\n".join(lines) + "\n"
 
@@ -415,8 +399,9 @@ def runs_table(runs):
         then, now = options(meta["argv"]), options(meta["row_argv"])
         named = [f"`{shlex.join([k] + v)}`" for k, v in then.items() if k and k not in now]
         left = [f"`{shlex.join([k] + v)}`" for k, v in now.items() if k and k not in then]
-        return cell + "".join([f": spells out {', '.join(named)}, today's default (the same settings)" * bool(named),
-                               f"{'; it' if named else ': it'} leaves {', '.join(left)} to the defaults of its commit (the same settings)" * bool(left)])
+        return cell + "".join([f": spells out {', '.join(named)}" * bool(named),
+                               f"{'; it' if named else ': it'} leaves {', '.join(left)} unnamed" * bool(left),
+                               " (the same recorded settings)" * bool(named or left)])
     lines = ["| row | commit | made by |", "|---|---|---|"]
     for name, row in runs.items():
         cells = []
