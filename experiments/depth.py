@@ -158,9 +158,15 @@ def lessons(runs):
         seeds = [s for s in pts.get(name, {}) if s in pts.get(ref, {})]
         if seeds:
             d = [(pts[name][s][0] - pts[ref][s][0], pts[name][s][1] - pts[ref][s][1]) for s in seeds]
+            ce = lambda recipe, s, k: runs[recipe][s][1]["per_loop"][k - 1]["ce"]  # the same depth, not the rise
+            deeper = [k for k in (16, 32, 64) if all(k <= len(runs[n][s][1]["per_loop"]) for n in (name, ref)
+                                                     for s in seeds)]
             lines.append(f"- {what} (`{name}` against `{ref}`): cost {mr([c for c, _ in d], '+.3f')}, rise "
                          f"{mr([r for _, r in d], '+.3f')}; lower cost on {sum(c < 0 for c, _ in d)} of {len(d)} "
-                         f"seeds, lower rise on {sum(r < 0 for _, r in d)} of {len(d)}")
+                         f"seeds, lower rise on {sum(r < 0 for _, r in d)} of {len(d)}" + (
+                             f"; lower CE at {', '.join(map(str, deeper))} loops on "
+                             f"{', '.join(str(sum(ce(name, s, k) < ce(ref, s, k) for s in seeds)) for k in deeper)} "
+                             f"of {len(d)}" if deeper else ""))
     return lines if len(lines) > 2 else []
 
 
