@@ -406,8 +406,8 @@ def addition_batch(n, digits, generator, heldout=False, zeros=0.0):
 
 
 def addition_zeros(step, steps):
-    """The zero-digit curriculum (train.py --zero_digits_steps N): the probability that an operand digit is 0,
-    from 0.5 at step 0 down to 0 at step N, then 0 (Paper B's uniform problems). Why: on the loss plateau every
+    """The zero-digit curriculum (train.py --zero_digits_steps N): the probability that an operand digit (but the
+    leading one) is forced to 0, from 0.5 at step 0 down to 0 at step N, then 0 (Paper B's uniform problems). Why: on the loss plateau every
     answer digit is at chance, because digit j of the sum, (a_j + b_j + carry) mod 10, tells nothing about a_j
     alone: attending to one operand earns no gradient until the model attends to both (a saddle). Where b_j
     is 0 the digit is a_j itself, and attending to a_j pays at once."""
