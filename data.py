@@ -367,7 +367,7 @@ def _problems(n, digits, generator, heldout, zeros=0.0):
     lo, hi = 10 ** (digits - 1), 10 ** digits
     a = torch.randint(lo, hi, (n,), generator=generator)
     b = torch.randint(lo, hi, (n,), generator=generator)
-    if zeros > 0:  # the curriculum's easy problems: each digit after the leading one is 0 with probability `zeros`
+    if zeros > 0:  # the curriculum's easy problems: each digit after the leading one is forced to 0 with probability `zeros`
         place = 10 ** torch.arange(digits - 1)  # (the leading digit stays 1-9: still d-digit operands)
         a, b = (v - (v.unsqueeze(1) // place % 10 * place * (torch.rand(n, digits - 1, generator=generator) < zeros)).sum(1)
                 for v in (a, b))
@@ -382,8 +382,8 @@ def _problems(n, digits, generator, heldout, zeros=0.0):
 def addition_batch(n, digits, generator, heldout=False, zeros=0.0):
     """n training problems "1750+4733= 3846§" (sum reversed, least significant digit first),
     right-padded; with heldout=True, a random subset of the n that are held out. Targets cover
-    the space, the answer digits and § only. zeros > 0: each operand digit but the leading one is 0
-    with that probability (easy problems, for a curriculum: addition_zeros). Returns (x, y, codes a·10^d + b)."""
+    the space, the answer digits and § only. zeros > 0: each operand digit but the leading one is forced
+    to 0 with that probability (easy problems, for a curriculum: addition_zeros). Returns (x, y, codes a·10^d + b)."""
     a, b = _problems(n, digits, generator, heldout, zeros)
     d, s = digits, a + b
     L = d + (s >= 10 ** d).long()                                       # the sum has d or d+1 digits
@@ -406,11 +406,11 @@ def addition_batch(n, digits, generator, heldout=False, zeros=0.0):
 
 
 def addition_zeros(step, steps):
-    """The zero-digit curriculum (train.py --zero_digits_steps N): the probability that an operand digit (but the
-    leading one) is forced to 0, from 0.5 at step 0 down to 0 at step N, then 0 (Paper B's uniform problems). Why: on the loss plateau every
-    answer digit is at chance, because digit j of the sum, (a_j + b_j + carry) mod 10, tells nothing about a_j
-    alone: attending to one operand earns no gradient until the model attends to both (a saddle). Where b_j
-    is 0 the digit is a_j itself, and attending to a_j pays at once."""
+    """The zero-digit curriculum (train.py --zero_digits_steps N): the probability that an operand digit (not the
+    leading one) is forced to 0, from 0.5 at step 0 down to 0 at step N, then 0 (Paper B's uniform problems). Why:
+    on the loss plateau every answer digit is at chance, because digit j of the sum, (a_j + b_j + carry) mod 10,
+    tells nothing about a_j alone: attending to one operand earns no gradient until the model attends to both (a
+    saddle). Where b_j is 0 the digit is a_j itself, and attending to a_j pays at once."""
     return 0.5 * max(0.0, 1 - step / steps) if steps else 0.0
 
 

@@ -114,6 +114,10 @@ def test_depth_goal_pairs_each_seed_with_its_baseline_and_finds_the_frontier():
     assert lesson == ("- depth sampling (`mean4` against `baseline`): cost +0.050 (+0.000–+0.100), rise -0.400 "
                       "(-0.400–-0.400); lower cost on 0 of 2 seeds, lower rise on 2 of 2; lower CE at 16, 32, 64 loops "
                       "on 0, 0, 2 of 2")  # CE at 16 and 32 equal or higher, at 64 lower on both
+    short = lambda ce4, ce32: ({}, {"config": {"n_loops": 4, "max_iters": 600},  # evaluated to 32 loops only
+                                    "per_loop": [{"ce": ce4 if k < 32 else ce32} for k in range(1, 33)]})
+    runs = {"baseline": {1: short(2.0, 2.6), 3: short(2.0, 2.6)}, "mean4": {1: short(2.1, 2.2), 2: short(2.1, 2.2)}}
+    assert depth.lessons(runs)[-1].endswith("lower CE at 16, 32 loops on 0, 1 of 1")  # seed 1, the one both have
 
 
 

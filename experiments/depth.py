@@ -79,15 +79,20 @@ def rho_table(runs):
     return lines
 
 
+def ce_at(rep, k):
+    """CE at k loops: report row k (loop k of the K-loop run for k ≤ K, the model run k loops past it)."""
+    return rep["per_loop"][k - 1]["ce"]
+
+
 def rise(rep):
     """The worst CE at 16, 32 and 64 loops (those evaluated, ≥ 4K) minus CE at the trained depth K."""
-    rows, K = rep["per_loop"], rep["config"]["n_loops"]
-    deep = [rows[k - 1]["ce"] for k in (16, 32, 64) if k <= len(rows) and k >= 4 * K]
-    return max(deep) - rows[K - 1]["ce"] if deep else None
+    K = rep["config"]["n_loops"]
+    deep = [ce_at(rep, k) for k in (16, 32, 64) if k <= len(rep["per_loop"]) and k >= 4 * K]
+    return max(deep) - ce_at(rep, K) if deep else None
 
 
 def ce_K(rep):
-    return rep["per_loop"][rep["config"]["n_loops"] - 1]["ce"]
+    return ce_at(rep, rep["config"]["n_loops"])
 
 
 def points(runs):
@@ -158,14 +163,13 @@ def lessons(runs):
         seeds = [s for s in pts.get(name, {}) if s in pts.get(ref, {})]
         if seeds:
             d = [(pts[name][s][0] - pts[ref][s][0], pts[name][s][1] - pts[ref][s][1]) for s in seeds]
-            ce = lambda recipe, s, k: runs[recipe][s][1]["per_loop"][k - 1]["ce"]  # the same depth, not the rise
             deeper = [k for k in (16, 32, 64) if all(k <= len(runs[n][s][1]["per_loop"]) for n in (name, ref)
-                                                     for s in seeds)]
+                                                     for s in seeds)]  # the same depth, not the rise
+            lower = [sum(ce_at(runs[name][s][1], k) < ce_at(runs[ref][s][1], k) for s in seeds) for k in deeper]
             lines.append(f"- {what} (`{name}` against `{ref}`): cost {mr([c for c, _ in d], '+.3f')}, rise "
                          f"{mr([r for _, r in d], '+.3f')}; lower cost on {sum(c < 0 for c, _ in d)} of {len(d)} "
                          f"seeds, lower rise on {sum(r < 0 for _, r in d)} of {len(d)}" + (
-                             f"; lower CE at {', '.join(map(str, deeper))} loops on "
-                             f"{', '.join(str(sum(ce(name, s, k) < ce(ref, s, k) for s in seeds)) for k in deeper)} "
+                             f"; lower CE at {', '.join(map(str, deeper))} loops on {', '.join(map(str, lower))} "
                              f"of {len(d)}" if deeper else ""))
     return lines if len(lines) > 2 else []
 
