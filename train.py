@@ -64,9 +64,8 @@ class TrainConfig:
                              choices=("gpt2", "bytes", "regex"))
     cache_dir: str = setting("data_cache", "where tokenized datasets are cached as memmaps")
     digits: int = setting(4, "operand digits of the addition task", lo=2, hi=8)
-    zero_digits_steps: int = setting(0, "addition: a curriculum, easy problems first: an operand digit (not the leading "
-                                        "one) is forced to 0 with a probability falling from 0.5 to 0 over N steps "
-                                        "(data.addition_zeros; Paper B: 0)", lo=0, hi=10**12)
+    zero_digits_steps: int = setting(0, "addition, easy problems first: each non-leading operand digit is forced to 0 "
+                                        "with a probability from 0.5 to 0 over N steps (data.addition_zeros)", lo=0, hi=10**12)
     window_stride: int = setting(0, "0: random windows (nanoGPT) | S: Paper A's epochs of windows starting every S "
                                     "tokens, shuffled (S = block_size/2: each token seen twice an epoch)", lo=0, hi=10**9)
     # optimization

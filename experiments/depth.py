@@ -113,7 +113,8 @@ def goal(runs):
     if not any(name in runs for name in BASELINES):
         return []
     lines = ["\n## The goal, seed by seed\n", "CE at K minus the fixed-depth baseline's at the same seed and number of "
-             f"steps (the cost at K; goal ≤ {COST_GOAL:+}), the rise (goal ≤ {RISE_GOAL:+}), and on how many seeds both hold:\n"]
+             f"steps (the cost at K; goal ≤ {COST_GOAL:+}), the rise (goal ≤ {RISE_GOAL:+}), and on how many seeds "
+             "both hold:\n"]
     means = {}
     for name, pts in points(runs).items():
         paired = list(pts)
@@ -132,8 +133,8 @@ def goal(runs):
     excess = {n: max(0.0, c - COST_GOAL) + max(0.0, r - RISE_GOAL) for n, (c, r) in means.items()}
     best = min(excess, key=excess.get)
     c, r = means[best]
-    lines.append(f"Closest to the goal (by how far its seed-mean cost and rise pass {COST_GOAL:+} and {RISE_GOAL:+}, summed): `{best}`, "
-                 f"cost {c:+.3f}, rise {r:+.3f}: {excess[best]:.3f} nats away.")
+    lines.append(f"Closest to the goal (by how far its seed-mean cost and rise pass {COST_GOAL:+} and {RISE_GOAL:+}, "
+                 f"summed): `{best}`, cost {c:+.3f}, rise {r:+.3f}: {excess[best]:.3f} nats away.")
     return lines
 
 
@@ -184,8 +185,8 @@ def page(runs, args):
     short = ([line.strip() for line in findings if line.startswith(("\nThe frontier", "Closest"))]
              + [line[2:] for line in effects if line.startswith("- depth sampling (")] + [r.strip() for r in rhos[-1:]])
     lines = ["# Depth as a dial on text\n", study.provenance(runs, args)]
-    lines += ["\n## In short\n", f"The goal: CE at 16, 32 and 64 loops within {RISE_GOAL:+} of CE at K, CE at K within {COST_GOAL:+} of "
-              "the fixed-depth baseline's. The page: the goal seed by seed, what each ingredient does, then the tables "
+    lines += ["\n## In short\n", f"The goal: CE at 16, 32 and 64 loops within {RISE_GOAL:+} of CE at K, CE at K "
+              f"within {COST_GOAL:+} of the fixed-depth baseline's. The page: the goal seed by seed, what each ingredient does, then the tables "
               "by depth.\n", *[f"- {line}" for line in short]] if short else []
     lines += ["\nA recipe's name is its parts: " + "; ".join(f"`{k}` {v}" for k, v in PARTS.items()) + ". Depth is "
              "sampled as in `mean4` unless the name has `baseline`, `deep` or `deq16`. A seed fixes the initial weights, "

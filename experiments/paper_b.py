@@ -121,10 +121,10 @@ def page(runs, args):
     # two panels: Paper B's recipe and its parts, with their min-max bands (left); the variants, means only, with
     # `sampling` again to compare against (right: eight bands would hide each other)
     main = [n for n in ("baseline", "sampling", "stars", "stars_fixed") if n in runs]
-    rest = [n for n in runs if n not in main]
-    panels = [(True, "Paper B's parts", main)] * bool(main) + [
-        (not main, "variants" + ", against sampling" * ("sampling" in runs), [n for n in runs if n in rest or n == "sampling"])
-    ] * bool(rest)  # (with bands, title, rows)
+    panels = [(True, "Paper B's parts", main)] if main else []  # (with bands, title, rows)
+    if any(n not in main for n in runs):
+        panels.append((not main, "variants" + ", against sampling" * ("sampling" in runs),
+                       [n for n in runs if n not in main or n == "sampling"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4), sharey=True, squeeze=False)
     colour = dict(zip(runs, study.colours()))  # one colour per row, the same in both panels
     for ax, (bands, title, names) in zip(axes[0], panels):
