@@ -177,26 +177,33 @@ def holds(runs, depths, K):
     from checkpoint import read_log
     n = lambda seeds, ok: f"{sum(ok(rep) for _, rep in seeds.values())} of {len(seeds)}"
     left = lambda logs: "n/a" if not all(logs) else sum(plateau_exit(log) is not None for log in logs)
-    lines = ["\n## What holds on how many seeds\n"]
+    top = max(k for k in depths if k <= 64)
+    lines = ["\n## What holds on how many seeds\n",
+             f"Each cell: on how many seeds it holds. Left the plateau: strict exact match at {K} loops reached 50% "
+             "at some evaluation during training (from the logs).\n",
+             f"| recipe | left the plateau | ≥ 99% at {K} loops | ≥ 99% at every depth {K} to {top} "
+             "| < 10% at every depth from 16 on |" + (" ρ < 1 at 64 loops |" if 64 in depths else ""),
+             "|---|---|---|---|---|" + ("---|" if 64 in depths else "")]
     for name, seeds in runs.items():
         logs = [read_log(m["out_dir"]) for m, _ in seeds.values()]
-        lines.append(f"- `{name}`: left the loss plateau (≥ 50% at {K} loops) on {left(logs)} of {len(seeds)} seeds; "
-                     f"≥ 99% at its {K} loops on {n(seeds, lambda r: acc(r, K) >= 0.99)} seeds; "
-                     f"≥ 99% at every depth from the preset's K, {K}, to {max(k for k in depths if k <= 64)} on "
-                     f"{n(seeds, lambda r: all(acc(r, k) >= 0.99 for k in range(K, min(64, depths[-1]) + 1)))}; "
-                     f"below 10% at every depth from 16 loops on: {n(seeds, lambda r: all(acc(r, k) < 0.1 for k in depths if k >= 16))}"
-                     + (f"; ρ < 1 at 64 loops: {n(seeds, lambda r: (rho(r, 64) or 1) < 1)}" if 64 in depths else "") + ".")
+        lines.append(f"| `{name}` | {left(logs)} of {len(seeds)} | {n(seeds, lambda r: acc(r, K) >= 0.99)} "
+                     f"| {n(seeds, lambda r: all(acc(r, k) >= 0.99 for k in range(K, min(64, depths[-1]) + 1)))} "
+                     f"| {n(seeds, lambda r: all(acc(r, k) < 0.1 for k in depths if k >= 16))} |"
+                     + (f" {n(seeds, lambda r: (rho(r, 64) or 1) < 1)} |" if 64 in depths else ""))
+    lines += ["", "A recipe against the one it changes, on the seeds both ran (strict exact match, seed means):\n",
+              "| loops | recipe | against | recipe's % | against's % | recipe higher on | lower on |",
+              "|---|---|---|---|---|---|---|"]
     for new, old in (("stars", "sampling"), ("stars_supervised", "stars"), ("sampling_grad4", "sampling"),
                      ("stars_grad4", "sampling_grad4"), ("stars_grad4", "stars"), ("sampling_cap100", "sampling"),
                      ("sampling_from0_grad4", "sampling_from0")):
-        for k in (32, 64, 100) if {new, old} <= runs.keys() else ():  # a recipe against the one it changes
+        for k in (32, 64, 100) if {new, old} <= runs.keys() else ():
             both = [s for s in runs[new] if s in runs[old]]
             if k in depths and both:
                 m = {name: sum(acc(runs[name][s][1], k) for s in both) / len(both) for name in (new, old)}
                 diff = [acc(runs[new][s][1], k) - acc(runs[old][s][1], k) for s in both]
-                wins, losses = sum(d > 0 for d in diff), sum(d < 0 for d in diff)
-                lines.append(f"- at {k} loops, `{new}` {100 * m[new]:.1f}% against `{old}` {100 * m[old]:.1f}% "
-                             f"on the mean of the {len(both)} seeds both ran; higher on {wins} of them, lower on {losses}.")
+                lines.append(f"| {k} | `{new}` | `{old}` | {100 * m[new]:.1f} | {100 * m[old]:.1f} "
+                             f"| {sum(d > 0 for d in diff)} of {len(both)} | {sum(d < 0 for d in diff)} of {len(both)} |")
+    lines.append("")
     return lines
 
 
