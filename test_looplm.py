@@ -106,9 +106,9 @@ def test_norm_penalty_adds_exactly_lambda_mean_square():
 
 
 def test_radial_fraction_norm_blind_raw_visible():
-    # Lemma 1: a scale-invariant readout has zero radial gradient. RMSNorm's eps is the only
-    # leak, ~eps/(rms²+eps): with eps=0 the fraction is float round-off; with eps=1e-6 at init
-    # (rms ~0.03) it stays under that bound; the raw readout sees the scale (fraction ~1e-1).
+    # Lemma 1: a scale-invariant readout has zero radial gradient. In exact arithmetic RMSNorm's eps
+    # is the only leak, ~eps/(rms²+eps), which dominates at a small rms (here at init, ~0.03); at a
+    # large rms float32 round-off (~1e-8) does (eps=0 leaves it alone); raw sees the scale (~1e-1).
     idx, tgt = batch()
     norm, raw = tiny(readout="norm"), tiny(readout="raw")
     h = norm.loop_states(idx)[-1]

@@ -56,7 +56,7 @@ def page(runs, args):
              *shared_start(runs)]
     lines.append("\n## The recipes\n\n`python train.py` options; each run adds `--seed S`. Loops a step: the mean over the "
                  "training steps' depths, all / with gradient (`report.training_loops`, the first seed's draws): the compute a "
-                 "recipe spends, which depth sampling raises. Names: until commit ce25268 the preset cut the gradient "
+                 "recipe spends, which depth sampling raises. Names: before commit ce25268 the preset cut the gradient "
                  "to the last 4 loops (`grad_loops` 4); the rows now named `_grad4` had the plain names, and the "
                  "full-gradient ones were `_fullgrad` (older commit messages use those names).\n")
     lines += [f"- `{name}`: `{ROWS[name]}` (loops a step: {training_loops(next(iter(seeds.values()))[1]['config'])})"
