@@ -49,7 +49,8 @@ def page(runs, args):
              ("ΔPPL 1→4", lambda r, _: r["per_loop"][3]["ppl"] - r["per_loop"][0]["ppl"] if trained(r, 1) else None,
               "+.3f"),
              ("relative step at loop 4", lambda r, _: r["per_loop"][3]["relative_step"], ".1e"),
-             ("Lemma 2 slope (s ≥ 1)", lambda r, _: probe_slope(r), "+.2f")]
+             ("Lemma 2 slope (s ≥ 1)", lambda r, _: probe_slope(r), "+.2f"),
+             ("Lemma 2 slope (s 16–64)", lambda r, _: probe_slope(r, 16), "+.2f")]
     lines = ["# Paper A at CPU scale: the readout blind spot\n", study.provenance(runs, args),
              "\n## Paper A's claims, seed by seed\n", *claims(runs), *loop1_claims(runs, probes),
              "\n## The recipes\n", "`python train.py` options; each run adds `--seed S`. `config/ablation_cpu.py` is Paper A's "
@@ -67,7 +68,7 @@ def page(runs, args):
                "run; n/a where terminal CE leaves loop k untrained as a readout). Relative step at loop 4: ‖H_4 − H_3‖/‖H_3‖ per token, averaged (`looplm.relative_step`), which "
                "bounds how far loop 4 turns the state's direction (Lemma 2). Lemma 2 slope: loop 4 run from its input "
                "rescaled, s·H_3 (`looplm.scale_probe`), the log-log slope of its relative step against s for s from 1 to "
-               "64 (Lemma 2: −1 as s grows; the plot shows s from 1/64).", loops))
+               "64, and from 16 to 64, far from s = 1 (Lemma 2: −1 as s grows; the plot shows s from 1/64).", loops))
     tables += (("What loop 1 does with the embedding", "From each run's checkpoint, on the first validation batch of its "
                 "evaluation (`loop1_probe`): per token, averaged, the embedding H_0 (token + position), loop 1's update "
                 "Δ_1 = H_1 − H_0 and their cosine; CE_1 (nats) and CE_1 with H_0 taken out of H_1 (the readout of Δ_1 "
