@@ -366,7 +366,8 @@ def provenance(runs, args):
              "here (`study.settings_changed`)" + ("; a run made by another command (the table names it) was made at the "
                                                   "same settings" if other else "") + ".",
              f"- **Code since the runs:** the Python that trains and evaluates ({', '.join(TRAINING_CODE)}) "
-             f"{since}" + (f": `git diff {' '.join([oldest(commits)] + [head] * bool(head))} -- {' '.join(TRAINING_CODE)}`." if since.startswith("changed")
+             f"{since}" + (f": `git diff {' '.join([oldest(commits)] + [head] * bool(head))} -- {' '.join(TRAINING_CODE)}` "
+                               f"({oldest(commits)}: the oldest commit a row's runs were made at)." if since.startswith("changed")
                            else ".")]
     if table:
         lines += ["\n**Each row's runs:** the commit they were made at, and the command that made them where it is not the "
