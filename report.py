@@ -56,7 +56,7 @@ def evaluate(model, cfg, val_data, device, ctx, final=False):
         report["norm_convention"] = "per-token L2 norm ||H_k||_2 (RMS = L2/sqrt(n_embd))"
         report["scale_probe_scales"] = list(SCALES)
         val_loss = float(rows[min(K, K_eval) - 1]["ce"])
-        last = rows[-1]
+        last = rows[min(K, K_eval) - 1]  # loop K, the trained depth (rows past it: the model run deeper)
         print("val CE by loop " + " ".join(f"K{r['k']}={r['ce']:.4f}" for r in rows)
               + f" | ‖H_K‖ mean {last['norm_mean']:.1f} p99 {last['norm_p99']:.1f} max {last['norm_max']:.1f}"
               f" | radial {last['radial_fraction']:.1e} | clamp ΔCE {na(last['clamp_delta_ce'], '+.4f')}")
@@ -395,7 +395,7 @@ def compare_runs(dirs, out):
               "drift exponent b |\n|" + "---|" * 12)
         for name, (rep, log) in runs.items():
             rows, b = rep["per_loop"], drift_exponent(log)
-            last = rows[-1]
+            last = rows[min(rep["config"]["n_loops"], len(rows)) - 1]  # loop K, however deep the run was evaluated
             axes[0][1].plot([r["k"] for r in rows], [r["ppl"] for r in rows], "o-", label=name)
             train_rows = [r for r in log if "norm_K" in r]
             axes[1][1].semilogy([r["iter"] for r in train_rows], [r["norm_K"] for r in train_rows], label=name)

@@ -107,6 +107,15 @@ def test_compare_prints_table_and_drift_exponent(trained_run, tmp_path, capsys):
     assert run_train(["--compare", f"{a},{b}", "--out_dir", tmp_path]) == 0
     rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| x/run") or l.startswith("| y/run")]
     assert len(rows) == 2
+    # a run evaluated past its trained depth (--eval_loops): the ‖H_K‖ column is still loop K's, not the deepest row's
+    deep = copy_run(trained_run, tmp_path / "deep" / "run")
+    rep = json.load(open(os.path.join(deep, "report.json")))
+    K = rep["config"]["n_loops"]
+    rep["per_loop"].append(dict(rep["per_loop"][-1], k=len(rep["per_loop"]) + 1, norm_mean=1e9))
+    json.dump(rep, open(os.path.join(deep, "report.json"), "w"))
+    assert run_train(["--compare", str(deep), "--out_dir", tmp_path]) == 0
+    row = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| run |") and "‖" not in l][0].split("|")
+    assert float(row[2]) == round(rep["per_loop"][K - 1]["norm_mean"], 1)
 
 
 @pytest.mark.slow

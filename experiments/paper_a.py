@@ -13,7 +13,7 @@ import numpy as np
 import study
 from looplm import SCALES
 
-ROWS = {
+ROWS = {  # the first seven: Paper A's Table 1 conditions
     "norm-terminal": "config/ablation_cpu.py --readout norm --no_per_loop_ce",
     "raw-terminal": "config/ablation_cpu.py --readout raw --no_per_loop_ce",
     "norm-terminal-penalty": "config/ablation_cpu.py --readout norm --no_per_loop_ce --norm_penalty 0.01",  # its fix 2
@@ -37,7 +37,7 @@ def page(runs, args):
     probes = {m["out_dir"]: loop1_probe(m, rep) for seeds in runs.values() for m, rep in seeds.values()}
     probed = lambda key, scale=1: lambda r, m: None if probes[m["out_dir"]] is None else probes[m["out_dir"]][key] * scale
     col = lambda seeds, f, fmt: mr([f(rep, meta) for meta, rep in seeds.values()], fmt)
-    last = lambda rep: rep["per_loop"][-1]
+    last = lambda rep: rep["per_loop"][rep["config"]["n_loops"] - 1]  # loop K
     ppl = lambda k: lambda rep, _: rep["per_loop"][k - 1]["ppl"] if trained(rep, k) else None
     scale = [("‖H_1‖ mean", lambda r, _: r["per_loop"][0]["norm_mean"], ".1f"),
              ("‖H_K‖ mean", lambda r, _: last(r)["norm_mean"], ".1f"), ("‖H_K‖ p99", lambda r, _: last(r)["norm_p99"], ".1f"),
@@ -55,7 +55,8 @@ def page(runs, args):
              "\n## Paper A's claims, seed by seed\n", *claims(runs), *loop1_claims(runs, probes),
              "\n## The recipes\n", "`python train.py` options; each run adds `--seed S`. `config/ablation_cpu.py` is Paper A's "
              "recipe at CPU scale (its init, constant LR, epochs of windows) on WikiText-2 bytes: d 128, 2 layers × 4 "
-             "loops, 600 steps. Each row switches one of the paper's ideas. Every row of one seed starts from the same "
+             "loops, 600 steps. Each row switches one of the paper's ideas: the first seven are Paper A's Table 1 "
+             "conditions, then `loop_norm` (in its text and code), its LR, and nanoGPT's init. Every row of one seed starts from the same "
              "weights where the shapes and init agree and trains on the same windows in the same order.\n"]
     lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
     tables = (("The state's scale", "‖H_1‖, ‖H_K‖: per-token L2 norm at the first and the last loop over the "
