@@ -228,7 +228,7 @@ def page(runs, args):
     ax.axhline(RISE_GOAL, color="gray", ls=":", lw=1)
     ax.axvline(COST_GOAL, color="gray", ls=":", lw=1)
     ax.set(xlabel="cost at K: CE at K − the fixed-depth baseline's, same seed and steps (nats/byte)",
-           ylabel="rise: worst CE at 16/32/64 − CE at K", title="one point per recipe and seed; the goal: left of and below the dotted lines")
+           ylabel="rise: worst CE at 16/32/64 (≥ 4K) − CE at K", title="one point per recipe and seed; the goal: left of and below the dotted lines")
     ax.title.set_fontsize(10)
     if ax.collections:
         ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))
