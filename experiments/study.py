@@ -372,9 +372,10 @@ def provenance(runs, args):
     if table:
         lines += ["\n**Each row's runs:** the commit they were made at, and the command that made them where it is not the "
                   "row's under \"The recipes\" (seed as S; by seed where the seeds differ)." + (
-                      " Both commands resolve to the settings recorded in the run's report.json (`study.settings_changed`: "
-                      "every setting but where a run and its data live and how it was started), so an option only one "
-                      "of them names changes none of those." if other else "") + "\n",
+                      " A run's report.json records the settings it ran with: the row's command resolves to them with "
+                      "today's presets (`study.settings_changed`: every setting but where a run and its data live and how "
+                      "it was started), the command that made it did with the presets of its commit; copied today, that "
+                      "command could differ (an option it leaves unnamed now takes today's preset value)." if other else "") + "\n",
                   *runs_table(runs)]
     return "\n".join(lines) + "\n"
 
@@ -406,7 +407,7 @@ def runs_table(runs):
         left = [f"`{shlex.join([k] + v)}`" for k, v in now.items() if k and k not in then]
         return cell + "".join([f": spells out {', '.join(named)}" * bool(named),
                                f"{'; it' if named else ': it'} leaves {', '.join(left)} unnamed" * bool(left),
-                               " (the same recorded settings)" * bool(named or left)])
+                               " (each with the presets of its commit: the recorded settings)" * bool(named or left)])
     lines = ["| row | commit | made by |", "|---|---|---|"]
     for name, row in runs.items():
         cells = []
