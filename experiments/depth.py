@@ -128,8 +128,12 @@ def goal(runs):
         return lines
     front = sorted((m, n) for n, m in means.items() if not any(o[0] <= m[0] and o[1] <= m[1] and o != m
                                                                for o in means.values()))
+    K = {n: next(iter(runs[n].values()))[1]["config"]["n_loops"] for n in means}
+    narrow = [f"`{n}` (K = {K[n]}: at {', '.join(str(k) for k in (16, 32, 64) if k >= 4 * K[n])} loops only)"
+              for n in means if K[n] > 4]
     lines.append("\nThe frontier (seed means; no other recipe has both a lower cost and a lower rise): "
-                 + ", ".join(f"`{n}` (cost {c:+.3f}, rise {r:+.3f})" for (c, r), n in front) + ".")
+                 + ", ".join(f"`{n}` (cost {c:+.3f}, rise {r:+.3f})" for (c, r), n in front) + "."
+                 + (f" A recipe trained at more loops has its rise over fewer depths: {', '.join(narrow)}." if narrow else ""))
     excess = {n: max(0.0, c - COST_GOAL) + max(0.0, r - RISE_GOAL) for n, (c, r) in means.items()}
     best = min(excess, key=excess.get)
     c, r = means[best]
