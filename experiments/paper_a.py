@@ -63,8 +63,8 @@ def page(runs, args):
                "validation bytes; logged ‖H_K‖: the training batch's, from log.jsonl, at the first step logged from 10% of "
                "training on, and at the last; drift exponent b: the slope of log ‖H_K‖ against log step over the second half of "
                "training (0: flat, 1: linear growth); radial fraction: |⟨∇CE_K, H_K⟩|/(‖∇CE_K‖·‖H_K‖) through loop K's "
-               "own readout (`looplm.radial_fraction`; Lemma 1: 0 through RMSNorm); clamp ΔCE: CE with every loop's "
-               "state rescaled to its loop-1 RMS, minus CE (≈ 0: the scale carried no information).", scale),
+               "own readout (`looplm.radial_fraction`; Lemma 1: 0 through RMSNorm); clamp ΔCE: CE with the state after "
+               "every loop from the second rescaled to its loop-1 RMS, minus CE (≈ 0: the scale carried no information).", scale),
               ("What the loops do", "PPL per byte at loop k: Paper A's early-exit curve (loop k read out in the 4-loop "
                "run; n/a where terminal CE leaves loop k untrained as a readout). Relative step at loop 4: ‖H_4 − H_3‖/‖H_3‖ per token, averaged (`looplm.relative_step`), which "
                "bounds how far loop 4 turns the state's direction (Lemma 2). Lemma 2 slope: loop 4 run from its input "
