@@ -58,12 +58,12 @@ def evaluate(model, cfg, val_data, device, ctx, final=False):
         val_loss = float(rows[min(K, K_eval) - 1]["ce"])
         last = rows[min(K, K_eval) - 1]  # loop K, the trained depth (rows past it: the model run deeper)
         print("val CE by loop " + " ".join(f"K{r['k']}={r['ce']:.4f}" for r in rows)
-              + f" | ‖H_K‖ mean {last['norm_mean']:.1f} p99 {last['norm_p99']:.1f} max {last['norm_max']:.1f}"
+              + f" | ‖H_{last['k']}‖ mean {last['norm_mean']:.1f} p99 {last['norm_p99']:.1f} max {last['norm_max']:.1f}"
               f" | radial {last['radial_fraction']:.1e} | clamp ΔCE {na(last['clamp_delta_ce'], '+.4f')}")
         if final:
             x, _ = get_batch(val_data, 8, mcfg.block_size, torch.Generator().manual_seed(cfg.seed + 999))
             with torch.no_grad():
-                n = token_norms(model.loop_states(x.to(device), K_eval)[-1]).cpu().numpy()
+                n = token_norms(model.loop_states(x.to(device), min(K, K_eval))[-1]).cpu().numpy()  # loop K's
             counts, edges = np.histogram(n, bins=60)
             report["norm_hist"] = {"counts": counts.tolist(), "edges": edges.tolist()}
     model.train()

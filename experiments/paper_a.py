@@ -37,7 +37,7 @@ def page(runs, args):
     probes = {m["out_dir"]: loop1_probe(m, rep) for seeds in runs.values() for m, rep in seeds.values()}
     probed = lambda key, scale=1: lambda r, m: None if probes[m["out_dir"]] is None else probes[m["out_dir"]][key] * scale
     col = lambda seeds, f, fmt: mr([f(rep, meta) for meta, rep in seeds.values()], fmt)
-    last = lambda rep: rep["per_loop"][rep["config"]["n_loops"] - 1]  # loop K
+    last = lambda rep: rep["per_loop"][min(rep["config"]["n_loops"], len(rep["per_loop"])) - 1]  # loop K
     ppl = lambda k: lambda rep, _: rep["per_loop"][k - 1]["ppl"] if trained(rep, k) else None
     scale = [("‖H_1‖ mean", lambda r, _: r["per_loop"][0]["norm_mean"], ".1f"),
              ("‖H_K‖ mean", lambda r, _: last(r)["norm_mean"], ".1f"), ("‖H_K‖ p99", lambda r, _: last(r)["norm_p99"], ".1f"),
@@ -55,8 +55,8 @@ def page(runs, args):
              "\n## Paper A's claims, seed by seed\n", *claims(runs), *loop1_claims(runs, probes),
              "\n## The recipes\n", "`python train.py` options; each run adds `--seed S`. `config/ablation_cpu.py` is Paper A's "
              "recipe at CPU scale (its init, constant LR, epochs of windows) on WikiText-2 bytes: d 128, 2 layers × 4 "
-             "loops, 600 steps. Each row switches one of the paper's ideas: the first seven are Paper A's Table 1 "
-             "conditions, then `loop_norm` (in its text and code), its LR, and nanoGPT's init. Every row of one seed starts from the same "
+             "loops, 600 steps. Each row switches one of the paper's ideas: the study's first seven (`paper_a.ROWS`) are Paper A's "
+             "Table 1 conditions, then `loop_norm` (in its text and code), its LR, and nanoGPT's init. Every row of one seed starts from the same "
              "weights where the shapes and init agree and trains on the same windows in the same order.\n"]
     lines += [f"- `{name}`: `{ROWS[name]}`" for name in runs]
     tables = (("The state's scale", "‖H_1‖, ‖H_K‖: per-token L2 norm at the first and the last loop over the "
@@ -69,7 +69,7 @@ def page(runs, args):
                "run; n/a where terminal CE leaves loop k untrained as a readout). Relative step at loop 4: ‖H_4 − H_3‖/‖H_3‖ per token, averaged (`looplm.relative_step`), which "
                "bounds how far loop 4 turns the state's direction (Lemma 2). Lemma 2 slope: loop 4 run from its input "
                "rescaled, s·H_3 (`looplm.scale_probe`), the log-log slope of its relative step against s for s from 1 to "
-               "64, and from 16 to 64, far from s = 1 (Lemma 2: −1 as s grows; the plot shows s from 1/64).", loops))
+               "64, and from 16 to 64 (its two points s = 16 and 64), far from s = 1 (Lemma 2: −1 as s grows; the plot shows s from 1/64).", loops))
     tables += (("What loop 1 does with the embedding", "From each run's checkpoint, on the first validation batch of its "
                 "evaluation (`loop1_probe`): per token, averaged, the embedding H_0 (token + position), loop 1's update "
                 "Δ_1 = H_1 − H_0 and their cosine; CE_1 (nats) and CE_1 with H_0 taken out of H_1 (the readout of Δ_1 "

@@ -367,7 +367,7 @@ def provenance(runs, args):
                                                   "same settings" if other else "") + ".",
              f"- **Code since the runs:** the Python that trains and evaluates ({', '.join(TRAINING_CODE)}) "
              f"{since}" + (f": `git diff {' '.join([oldest(commits)] + [head] * bool(head))} -- {' '.join(TRAINING_CODE)}` "
-                               f"({oldest(commits)}: the oldest commit a row's runs were made at)." if since.startswith("changed")
+                               f"({oldest(commits)}: the oldest commit any run was made at)." if since.startswith("changed")
                            else ".")]
     if table:
         lines += ["\n**Each row's runs:** the commit they were made at, and the command that made them where it is not the "
@@ -407,7 +407,7 @@ def runs_table(runs):
         left = [f"`{shlex.join([k] + v)}`" for k, v in now.items() if k and k not in then]
         return cell + "".join([f": spells out {', '.join(named)}" * bool(named),
                                f"{'; it' if named else ': it'} leaves {', '.join(left)} unnamed" * bool(left),
-                               " (each with the presets of its commit: the recorded settings)" * bool(named or left)])
+                               " (with its commit's presets: the recorded settings)" * bool(named or left)])
     lines = ["| row | commit | made by |", "|---|---|---|"]
     for name, row in runs.items():
         cells = []
