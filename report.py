@@ -35,6 +35,12 @@ def curve_depth(model, k):
     return max(k, model.config.n_loops)
 
 
+def row_at_K(rows, K):
+    """The evaluation row of loop K, the trained depth (rows past it: the model run deeper; a run evaluated
+    short of K: its last row)."""
+    return rows[min(K, len(rows)) - 1]
+
+
 def evaluate(model, cfg, val_data, device, ctx, final=False):
     """Evaluate at loops 1..eval_loops: (validation loss that picks the best checkpoint, report dict).
     The loss is CE at the trained depth (LM), or 1 − exact match there (addition)."""
@@ -55,8 +61,8 @@ def evaluate(model, cfg, val_data, device, ctx, final=False):
         report["per_loop"], report["eval_tokens"] = rows, n_tok
         report["norm_convention"] = "per-token L2 norm ||H_k||_2 (RMS = L2/sqrt(n_embd))"
         report["scale_probe_scales"] = list(SCALES)
-        val_loss = float(rows[min(K, K_eval) - 1]["ce"])
-        last = rows[min(K, K_eval) - 1]  # loop K, the trained depth (rows past it: the model run deeper)
+        last = row_at_K(rows, K)
+        val_loss = float(last["ce"])
         print("val CE by loop " + " ".join(f"K{r['k']}={r['ce']:.4f}" for r in rows)
               + f" | ‖H_{last['k']}‖ mean {last['norm_mean']:.1f} p99 {last['norm_p99']:.1f} max {last['norm_max']:.1f}"
               f" | radial {last['radial_fraction']:.1e} | clamp ΔCE {na(last['clamp_delta_ce'], '+.4f')}")
@@ -395,7 +401,7 @@ def compare_runs(dirs, out):
               "drift exponent b |\n|" + "---|" * 12)
         for name, (rep, log) in runs.items():
             rows, b = rep["per_loop"], drift_exponent(log)
-            last = rows[min(rep["config"]["n_loops"], len(rows)) - 1]  # loop K, however deep the run was evaluated
+            last = row_at_K(rows, rep["config"]["n_loops"])
             axes[0][1].plot([r["k"] for r in rows], [r["ppl"] for r in rows], "o-", label=name)
             train_rows = [r for r in log if "norm_K" in r]
             axes[1][1].semilogy([r["iter"] for r in train_rows], [r["norm_K"] for r in train_rows], label=name)

@@ -84,11 +84,15 @@ def ce_at(rep, k):
     return rep["per_loop"][k - 1]["ce"]
 
 
+def rise_depths(rep):
+    """The depths the rise reads: 16, 32 and 64 loops, those evaluated and at least 4K."""
+    return [k for k in (16, 32, 64) if k <= len(rep["per_loop"]) and k >= 4 * rep["config"]["n_loops"]]
+
+
 def rise(rep):
-    """The worst CE at 16, 32 and 64 loops (those evaluated, ≥ 4K) minus CE at the trained depth K."""
-    K = rep["config"]["n_loops"]
-    deep = [ce_at(rep, k) for k in (16, 32, 64) if k <= len(rep["per_loop"]) and k >= 4 * K]
-    return max(deep) - ce_at(rep, K) if deep else None
+    """The worst CE at the rise's depths minus CE at the trained depth K."""
+    deep = [ce_at(rep, k) for k in rise_depths(rep)]
+    return max(deep) - ce_K(rep) if deep else None
 
 
 def ce_K(rep):
@@ -128,12 +132,12 @@ def goal(runs):
         return lines
     front = sorted((m, n) for n, m in means.items() if not any(o[0] <= m[0] and o[1] <= m[1] and o != m
                                                                for o in means.values()))
-    K = {n: next(iter(runs[n].values()))[1]["config"]["n_loops"] for n in means}
-    narrow = [f"`{n}` (K = {K[n]}: at {', '.join(str(k) for k in (16, 32, 64) if k >= 4 * K[n])} loops only)"
-              for n in means if K[n] > 4]
+    first = {n: next(iter(runs[n].values()))[1] for n in means}  # a recipe's settings are its seeds'
+    narrow = [f"`{n}` (K = {rep['config']['n_loops']}: at {', '.join(map(str, rise_depths(rep)))} loops only)"
+              for n, rep in first.items() if len(rise_depths(rep)) < 3]
     lines.append("\nThe frontier (seed means; no other recipe has both a lower cost and a lower rise): "
                  + ", ".join(f"`{n}` (cost {c:+.3f}, rise {r:+.3f})" for (c, r), n in front) + "."
-                 + (f" A recipe trained at more loops has its rise over fewer depths: {', '.join(narrow)}." if narrow else ""))
+                 + (f" The rise reads fewer depths (those evaluated and ≥ 4K) for {', '.join(narrow)}." if narrow else ""))
     excess = {n: max(0.0, c - COST_GOAL) + max(0.0, r - RISE_GOAL) for n, (c, r) in means.items()}
     best = min(excess, key=excess.get)
     c, r = means[best]

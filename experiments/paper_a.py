@@ -32,12 +32,12 @@ QUICK = "--max_iters 4 --eval_interval 4 --eval_iters 1 --batch_size 4 --dataset
 def page(runs, args):
     import matplotlib.pyplot as plt
     from checkpoint import read_log
-    from report import drift_exponent
+    from report import drift_exponent, row_at_K
     mr = study.mean_range
     probes = {m["out_dir"]: loop1_probe(m, rep) for seeds in runs.values() for m, rep in seeds.values()}
     probed = lambda key, scale=1: lambda r, m: None if probes[m["out_dir"]] is None else probes[m["out_dir"]][key] * scale
     col = lambda seeds, f, fmt: mr([f(rep, meta) for meta, rep in seeds.values()], fmt)
-    last = lambda rep: rep["per_loop"][min(rep["config"]["n_loops"], len(rep["per_loop"])) - 1]  # loop K
+    last = lambda rep: row_at_K(rep["per_loop"], rep["config"]["n_loops"])
     ppl = lambda k: lambda rep, _: rep["per_loop"][k - 1]["ppl"] if trained(rep, k) else None
     scale = [("‖H_1‖ mean", lambda r, _: r["per_loop"][0]["norm_mean"], ".1f"),
              ("‖H_K‖ mean", lambda r, _: last(r)["norm_mean"], ".1f"), ("‖H_K‖ p99", lambda r, _: last(r)["norm_p99"], ".1f"),

@@ -345,6 +345,7 @@ def provenance(runs, args):
     took = (f"A run took {min(walls):.1f} to {max(walls):.1f} minutes; all runs {sum(walls) / 60:.1f} hours"
             + (f" (about {sum(walls) / 60 / args.jobs:.1f} at {args.jobs} at once)." if args.jobs > 1 else ".")
             if len(walls) > 1 else f"It took {walls[0]:.1f} minutes.")
+    first = oldest(commits)
     since = code_since(commits)  # and the command that shows how (from the runs' first commit to this tree)
     now = commit()
     head = "" if now.endswith("+changes") else now
@@ -366,8 +367,8 @@ def provenance(runs, args):
              "here (`study.settings_changed`)" + ("; a run made by another command (the table names it) was made at the "
                                                   "same settings" if other else "") + ".",
              f"- **Code since the runs:** the Python that trains and evaluates ({', '.join(TRAINING_CODE)}) "
-             f"{since}" + (f": `git diff {' '.join([oldest(commits)] + [head] * bool(head))} -- {' '.join(TRAINING_CODE)}` "
-                               f"({oldest(commits)}: the oldest commit any run was made at)." if since.startswith("changed")
+             f"{since}" + (f": `git diff {' '.join([first] + [head] * bool(head))} -- {' '.join(TRAINING_CODE)}` "
+                               f"({first}: the oldest commit any run was made at)." if since.startswith("changed")
                            else ".")]
     if table:
         lines += ["\n**Each row's runs:** the commit they were made at, and the command that made them where it is not the "
