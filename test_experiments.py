@@ -35,7 +35,7 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
     runs = {"norm-perloop": {1: run(900.0, 9.0, 9.0, b=0.5), 2: run(700.0, 9.0, 9.1), 3: run(5.0, 9.0, 9.0)},
             "raw-perloop": {1: run(7.0, 11.0, 8.5, 2e-2, 0.1), 2: run(8.0, 11.0, 9.5, 3e-2, 0.1),
                             3: run(9.0, 11.0, 8.0, 1e-2, 0.1)}}
-    lines = paper_a.claims(runs)
+    lines = paper_a.claims(runs, {}, [])
     drift = next(line for line in lines if line.startswith("- Scale gap"))
     assert "larger on 2 of 3 seeds" in drift  # seed 3: norm 5 < raw 9
     fix = next(line for line in lines if line.startswith("- `raw-perloop`"))
@@ -56,8 +56,10 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
     flat = next(line for line in lines if line.startswith("- Flat loops"))
     assert "(ΔPPL 1→4 > -0.1) in 3 of 3 runs" in flat  # raw-perloop's gains are not counted: it reads the scale
     assert not any("penalty" in line for line in lines)  # a claim whose rows did not run is left out
+    step = lambda n: next(i for i, line in enumerate(lines) if line.startswith(f"\n### ({n})"))
+    assert step(2) < lines.index(radial) < step(3) < lines.index(across) < lines.index(flat) < step(4)  # under its step
     # a run too short to fit a drift exponent (--quick: one logged step) leaves it n/a rather than failing the page
-    short = paper_a.claims({"norm-terminal": {1: run(50.0, 9.0, 8.0, steps=[4])}})
+    short = paper_a.claims({"norm-terminal": {1: run(50.0, 9.0, 8.0, steps=[4])}}, {}, [])
     assert "drift exponent over the second half n/a, still growing (b > 0.1) on 0 of 1 seeds" in "".join(short)
 
 

@@ -51,8 +51,19 @@ def page(runs, args):
              ("relative step at loop 4", lambda r, _: r["per_loop"][3]["relative_step"], ".1e"),
              ("Lemma 2 slope (s ≥ 1)", lambda r, _: probe_slope(r), "+.2f"),
              ("Lemma 2 slope (s 16–64)", lambda r, _: probe_slope(r, 16), "+.2f")]
+    state = ("‖H_3‖ mean", lambda r, _: r["per_loop"][2]["norm_mean"], ".1f")
+    update = ("loop 4's update (relative step × ‖H_3‖)",
+              lambda r, _: r["per_loop"][3]["relative_step"] * r["per_loop"][2]["norm_mean"], ".1f")
+    lemma2 = table("Lemma 2 across the trained runs", "Lemma 2 holds one network fixed: scale its state and the update "
+                   "stays, so the relative step falls as 1/scale. Across trained per-loop runs the update is not fixed: "
+                   "compare the columns (`loop_norm` reads RMSNorm(H_3) into loop 4, so its scale does not reach the loop). A "
+                   "row can be flat (ΔPPL 1→4 near 0) because its loop 1 already reads out well: compare its PPL at loop 1 "
+                   "with another row's at loop 4.",
+                   [state, update] + [next(c for c in loops if c[0] == n) for n in ("relative step at loop 4",
+                                                                                   "PPL at loop 1", "PPL at loop 4", "ΔPPL 1→4")],
+                   {n: s for n, s in runs.items() if all(trained(rep, 1) for _, rep in s.values())}, col, level="####")
     lines = ["# Paper A at CPU scale: the readout blind spot\n", study.provenance(runs, args),
-             "\n## Paper A's claims, seed by seed\n", *claims(runs), *loop1_claims(runs, probes),
+             "\n## Paper A's claims, seed by seed\n", *claims(runs, probes, lemma2),
              "\n## The recipes\n", "`python train.py` options; each run adds `--seed S`. `config/ablation_cpu.py` is Paper A's "
              "recipe at CPU scale (its init, constant LR, epochs of windows) on WikiText-2 bytes: d 128, 2 layers × 4 "
              "loops, 600 steps. Each row switches one of the paper's ideas: the study's first seven (`paper_a.ROWS`) are Paper A's "
@@ -79,10 +90,7 @@ def page(runs, args):
                  ("CE_1 of Δ_1 alone", probed("ce1_no_h0"), ".3f"),
                  ("H_0 read as its input (%)", probed("h0_reads_input", 100), ".1f")]),)
     for title, what, cols in tables:
-        lines.append(f"\n## {title}: mean (min–max) over seeds\n\n{what}\n")
-        lines.append("| run | seeds | " + " | ".join(c[0] for c in cols) + " |\n|---|---|" + "---|" * len(cols))
-        for name, seeds in runs.items():
-            lines.append(f"| {name} | {len(seeds)} | " + " | ".join(col(seeds, f, fmt) for _, f, fmt in cols) + " |")
+        lines += table(title, what, cols, runs, col)
     byname = {c[0]: c for c in loops + scale}
     each = [byname[n] for n in ("PPL at loop 1", "PPL at loop 4", "ΔPPL 1→4", "‖H_K‖ mean", "relative step at loop 4",
                                 "drift exponent b")]
@@ -117,6 +125,14 @@ def page(runs, args):
     png = study.savefig(fig, args, "ppl_norms")
     lines.insert(2, f"\n![PPL and ‖H_k‖ by loop, seed means]({png})\n")
     return "\n".join(lines) + "\n", [png]
+
+
+def table(title, what, cols, runs, col, level="##"):
+    """A page table: a row per run, each column's seed mean (min–max)."""
+    lines = [f"\n{level} {title}: mean (min–max) over seeds\n\n{what}\n",
+             "| run | seeds | " + " | ".join(c[0] for c in cols) + " |\n|---|---|" + "---|" * len(cols)]
+    return lines + [f"| {name} | {len(seeds)} | " + " | ".join(col(seeds, f, fmt) for _, f, fmt in cols) + " |"
+                    for name, seeds in runs.items()]
 
 
 def trained(rep, k):
@@ -207,15 +223,16 @@ PAPER_PPL = {row: f" (Paper A, 129M, PPL per token at K = 4: {v} against `norm`'
              for row, v in (("raw-perloop", "4.55"), ("final_norm-perloop", "4.55"), ("norm-perloop-penalty", "4.53"))}
 
 
-def claims(runs):
-    """Each of Paper A's claims as one line: the seed mean (min–max) and on how many seeds it holds."""
+def claims(runs, probes, lemma2):
+    """Each of Paper A's claims as one line, the seed mean (min–max) and on how many seeds it holds, under the step
+    of the paper's argument it tests (the README's four steps), with Lemma 2's table (lemma2) under its step."""
     from checkpoint import read_log
     from report import drift_exponent
     mr = study.mean_range
     both = lambda a, b: [s for s in runs.get(a, {}) if s in runs.get(b, {})]
     at = lambda row, s, k=4: runs[row][s][1]["per_loop"][k - 1]
     gain = lambda row, s: at(row, s, 4)["ppl"] - at(row, s, 1)["ppl"]
-    out = []
+    out = ["\n### (1) The state's scale grows\n"]
     for norm, raw, what, paper in (("norm-perloop", "raw-perloop", "Scale gap (Paper A's init)",
                                     " (Paper A: 39,207 against 17–83)"),
                                    ("nanogpt-norm-perloop", "nanogpt-raw-perloop", "Under nanoGPT's init", "")):
@@ -240,6 +257,15 @@ def claims(runs):
             ratio = [at(base, s)["norm_mean"] / at(pen, s)["norm_mean"] for s in seeds]
             out.append(f"- The norm penalty keeps the scale down: `{pen}`'s ‖H_K‖ {mr([at(pen, s)['norm_mean'] for s in seeds])}, "
                        f"{mr(ratio, '.0f')}x below `{base}`'s; below it on {sum(r > 1 for r in ratio)} of {len(seeds)} seeds.")
+    out += loop1_claims(runs, probes)
+    out.append("\n### (2) Lemma 1: loop k's own loss cannot see the scale\n")
+    blind = [at(r, s)["radial_fraction"] for r in runs if "raw" not in r for s in runs[r]]
+    seen = [at(r, s)["radial_fraction"] for r in runs if "raw" in r for s in runs[r]]
+    if blind and seen:
+        out.append(f"- Radial blindness: radial fraction {min(blind):.1e} to {max(blind):.1e} for all {len(blind)} runs read "
+                   f"out through RMSNorm, {min(seen):.1e} to {max(seen):.1e} for the {len(seen)} `raw` runs "
+                   "(Paper A: 1e-9 to 1e-8, ~1e-2).")
+    out.append("\n### (3) Lemma 2: a larger scale, a smaller turn\n")
     seeds = both("norm-perloop", "raw-perloop")
     if seeds:  # Lemma 2: a large scale freezes the loop (the step relative to the state shrinks as 1/scale)
         step = lambda row, s: at(row, s)["relative_step"]
@@ -280,12 +306,8 @@ def claims(runs):
                    f"loop does not see the scale), loops 1→4 gain less than 0.1 PPL (ΔPPL 1→4 > -0.1) in "
                    f"{sum(gain(r, s) > -0.1 for r, s in flat)} of {len(flat)} runs, whose ‖H_K‖ runs from "
                    f"{scale[lo]:.1f} (`{lo}`) to {scale[hi]:.1f} (`{hi}`), seed means.")
-    blind = [at(r, s)["radial_fraction"] for r in runs if "raw" not in r for s in runs[r]]
-    seen = [at(r, s)["radial_fraction"] for r in runs if "raw" in r for s in runs[r]]
-    if blind and seen:
-        out.append(f"- Radial blindness: radial fraction {min(blind):.1e} to {max(blind):.1e} for all {len(blind)} runs read "
-                   f"out through RMSNorm, {min(seen):.1e} to {max(seen):.1e} for the {len(seen)} `raw` runs "
-                   "(Paper A: 1e-9 to 1e-8, ~1e-2).")
+    out += lemma2
+    out.append("\n### (4) The fixes, and the scale clamp\n")
     for fix, base in (("raw-perloop", "norm-perloop"), ("final_norm-perloop", "norm-perloop"),
                       ("norm-perloop-penalty", "norm-perloop"), ("norm-perloop-loop_norm", "norm-perloop"),
                       ("raw-terminal", "norm-terminal"), ("norm-terminal-penalty", "norm-terminal"),
