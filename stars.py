@@ -6,11 +6,12 @@ Models" (Yang et al., ICML 2026, arXiv 2605.26733; code: github.com/njuyxw/STARS
 A looped model is a dynamical system h_{t+1} = Φ(h_t), where Φ is one pass of the shared
 block. A fixed point of the loop is stable when the spectral radius of J = ∂Φ/∂h is below 1,
 and then extra loops at test time refine the answer instead of making it diverge. STARS
-makes ρ(J) < 1 part of the training loss:
+aims at ρ(J) < 1 with a penalty in the training loss, which Paper B writes
 
     L = (1 − λ)·L_task + λ·‖Jv‖²        v ~ N(0, I) normalized, at the last loop's state
 
-(The default mode, "vjp", computes ‖vᵀJ‖² instead: the same in expectation; see jsrr_penalty.)
+(The default mode, "vjp", computes ‖vᵀJ‖², as the public code does: the same in expectation; see
+jsrr_penalty. This file writes ‖Jv‖ for either.)
 Here ‖Jv‖ is one step of power iteration from a random direction, which the paper writes as
 ρ(J) ≈ ‖Jv‖. What it measures is E‖Jv‖² = ‖J‖_F²/n, the mean squared singular value of J
 (n = T·C per sample): pushing it down pulls the spectrum down on average, but it neither bounds
@@ -164,7 +165,7 @@ class Penalty:
 def training_loss(model, x, y, n_loops, grad_loops=None, penalty=None, checkpoint=False):
     """The loss of one training step at depth n_loops, as train.py and bench.py take it: Paper A's
     objective over the loop states (LoopLM.objective), and with a penalty (a Penalty, λ > 0) Paper B's
-    (1 − λ)·task + λ·‖Jv‖² at the last state. Returns (loss, the loop states, ‖Jv‖ per penalized
+    (1 − λ)·task + λ·‖Jv‖² (‖vᵀJ‖² in the default mode) at the last state. Returns (loss, the loop states, ‖Jv‖ per penalized
     sequence or None). grad_loops: the last loops with gradient (LoopLM.loop_states).
 
     To add another penalty on the loop map: (1) a function of step_fn in this file, like jsrr_penalty;

@@ -235,7 +235,7 @@ def train(cfg, run, model, optimizer):
                 (loss / cfg.gradient_accumulation_steps).backward()
                 logged[:2] += torch.stack([loss.detach().float(), token_norms(states[-1].detach()).mean()]) \
                     / cfg.gradient_accumulation_steps
-                if jv is not None:  # the penalty's ‖Jv‖, averaged over sequences, micro-batches (and ranks)
+                if jv is not None:  # the penalty's ‖Jv‖ (vjp: ‖vᵀJ‖), averaged over sequences, micro-batches (and ranks)
                     logged[3] += jv.detach().float().mean() / cfg.gradient_accumulation_steps
             logged[2] = float("sig" in stop)
             if run.world > 1:  # average the gradients and the logged numbers over ranks
