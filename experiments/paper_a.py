@@ -58,7 +58,8 @@ def page(runs, args):
                    "stays, so the relative step falls as 1/scale. Across trained per-loop runs the update is not fixed: "
                    "compare the columns (`loop_norm` reads RMSNorm(H_3) into loop 4, so its scale does not reach the loop). A "
                    "row can be flat (ΔPPL 1→4 near 0) because its loop 1 already reads out well: compare its PPL at loop 1 "
-                   "with another row's at loop 4.",
+                   "with another row's at loop 4. (The ratios in the claims above are per seed, then averaged: not ratios of "
+                   "these means.)",
                    [state, update] + [next(c for c in loops if c[0] == n) for n in ("relative step at loop 4",
                                                                                    "PPL at loop 1", "PPL at loop 4", "ΔPPL 1→4")],
                    {n: s for n, s in runs.items() if all(trained(rep, 1) for _, rep in s.values())}, col, level="####")
