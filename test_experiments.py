@@ -264,6 +264,8 @@ def test_the_header_table_names_each_rows_commits_and_the_command_that_made_its_
         "| `b` | c1 (seed 1); c3 (seed 2) | the row's (seed 1); `python train.py config/x.py --k 0 --seed S`: spells out "
         "`--k 0`; it leaves `--j 4` unnamed (with its commit's presets: the recorded settings) (seed 2) |",
         "| `c` | c2 (seeds 1, 2); c1 (seed 3) | the row's |"]
+    del runs["b"]  # every run made by its row's command: no "made by" column
+    assert study.runs_table(runs) == ["| row | commit |", "|---|---|", "| `a` | c1 |", "| `c` | c2 (seeds 1, 2); c1 (seed 3) |"]
 
 
 def test_a_run_whose_command_now_resolves_to_other_settings_is_told_apart():

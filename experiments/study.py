@@ -371,8 +371,8 @@ def provenance(runs, args):
                                f"({first}: the oldest commit any run was made at)." if since.startswith("changed")
                            else ".")]
     if table:
-        lines += ["\n**Each row's runs:** the commit they were made at, and the command that made them where it is not the "
-                  "row's under \"The recipes\" (seed as S; by seed where the seeds differ)." + (
+        lines += ["\n**Each row's runs:** the commit they were made at" + (", and the command that made them where it is "
+                  "not the row's under \"The recipes\" (seed as S" if other else " (") + "; by seed where the seeds differ)." + (
                       " A run's report.json records the settings it ran with: the row's command resolves to them with "
                       "today's presets (`study.settings_changed`: every setting but where a run and its data live and how "
                       "it was started), the command that made it did with the presets of its commit; copied today, that "
@@ -397,7 +397,8 @@ def options(argv):
 
 
 def runs_table(runs):
-    """The header's table: per row, the commit(s) its runs were made at and the command(s) that made them."""
+    """The header's table: per row, the commit(s) its runs were made at and, where some run was made by another
+    command than its row's, the command(s) that made them."""
     def made_by(meta):
         if by_row(meta):
             return "the row's"
@@ -409,16 +410,17 @@ def runs_table(runs):
         return cell + "".join([f": spells out {', '.join(named)}" * bool(named),
                                f"{'; it' if named else ': it'} leaves {', '.join(left)} unnamed" * bool(left),
                                " (with its commit's presets: the recorded settings)" * bool(named or left)])
-    lines = ["| row | commit | made by |", "|---|---|---|"]
+    other = not all(by_row(m) for row in runs.values() for m, _ in row.values())
+    lines = ["| row | commit | made by |" if other else "| row | commit |", "|---|---|---|" if other else "|---|---|"]
     for name, row in runs.items():
         cells = []
-        for key in (lambda m: m["commit"], made_by):
+        for key in (lambda m: m["commit"], made_by)[:1 + other]:
             at = {}  # value -> its seeds
             for seed, (meta, _) in sorted(row.items()):
                 at.setdefault(key(meta), []).append(seed)
             cells.append("; ".join(v if len(at) == 1 else f"{v} (seed{'s' * (len(s) > 1)} {', '.join(map(str, s))})"
                                    for v, s in at.items()))
-        lines.append(f"| `{name}` | {cells[0]} | {cells[1]} |")
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     return lines
 
 
