@@ -165,7 +165,7 @@ class Penalty:
 def training_loss(model, x, y, n_loops, grad_loops=None, penalty=None, checkpoint=False):
     """The loss of one training step at depth n_loops, as train.py and bench.py take it: Paper A's
     objective over the loop states (LoopLM.objective), and with a penalty (a Penalty, λ > 0) Paper B's
-    (1 − λ)·task + λ·‖Jv‖² (‖vᵀJ‖² in the default mode) at the last state. Returns (loss, the loop states, ‖Jv‖ per penalized
+    (1 − λ)·task + λ·‖Jv‖² at the last state. Returns (loss, the loop states, ‖Jv‖ per penalized
     sequence or None). grad_loops: the last loops with gradient (LoopLM.loop_states).
 
     To add another penalty on the loop map: (1) a function of step_fn in this file, like jsrr_penalty;

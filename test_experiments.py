@@ -35,7 +35,7 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
     runs = {"norm-perloop": {1: run(900.0, 9.0, 9.0, b=0.5), 2: run(700.0, 9.0, 9.1), 3: run(5.0, 9.0, 9.0)},
             "raw-perloop": {1: run(7.0, 11.0, 8.5, 2e-2, 0.1), 2: run(8.0, 11.0, 9.5, 3e-2, 0.1),
                             3: run(9.0, 11.0, 8.0, 1e-2, 0.1)}}
-    lines = paper_a.claims(runs, {}, [])
+    lines = paper_a.claims(runs, {}, ["<the Lemma 2 table>"])
     drift = next(line for line in lines if line.startswith("- Scale gap"))
     assert "larger on 2 of 3 seeds" in drift  # seed 3: norm 5 < raw 9
     fix = next(line for line in lines if line.startswith("- `raw-perloop`"))
@@ -57,9 +57,13 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
     assert "(ΔPPL 1→4 > -0.1) in 3 of 3 runs" in flat  # raw-perloop's gains are not counted: it reads the scale
     assert not any("penalty" in line for line in lines)  # a claim whose rows did not run is left out
     step = lambda n: next(i for i, line in enumerate(lines) if line.startswith(f"\n### ({n})"))
-    assert step(2) < lines.index(radial) < step(3) < lines.index(across) < lines.index(flat) < step(4)  # under its step
+    assert (step(1) < lines.index(drift) < lines.index(grows) < step(2) < lines.index(radial) < step(3)  # under its step
+            < lines.index(frozen) < lines.index(across) < lines.index(flat) < lines.index("<the Lemma 2 table>") < step(4)
+            < lines.index(fix))
     # a run too short to fit a drift exponent (--quick: one logged step) leaves it n/a rather than failing the page
     short = paper_a.claims({"norm-terminal": {1: run(50.0, 9.0, 8.0, steps=[4])}}, {}, [])
+    heads = [line[5:8] for line in short if line.startswith("\n###")]
+    assert heads == ["(1)", "(3)"]  # a step without claims (no `raw` run: no radial contrast; no fix) has no heading
     assert "drift exponent over the second half n/a, still growing (b > 0.1) on 0 of 1 seeds" in "".join(short)
 
 
@@ -259,13 +263,15 @@ def test_the_header_table_names_each_rows_commits_and_the_command_that_made_its_
     other = ({"commit": "c3", "argv": ["config/x.py", "--k", "0", "--seed", "2", "--out_dir", "/r/b/s2"],
               "row_argv": ["config/x.py", "--seed", "2", "--j=4", "--out_dir", "/r/b/s2"]}, {})
     runs = {"a": {1: own("c1"), 2: own("c1")}, "b": {1: own("c1"), 2: other}, "c": {1: own("c2"), 3: own("c1"), 2: own("c2")}}
-    assert study.runs_table(runs)[2:] == [
+    assert study.runs_table(runs)[0].startswith("\n**Each row's runs:** the commit they were made at, and the command")
+    assert study.runs_table(runs)[3:] == [
         "| `a` | c1 | the row's |",
         "| `b` | c1 (seed 1); c3 (seed 2) | the row's (seed 1); `python train.py config/x.py --k 0 --seed S`: spells out "
         "`--k 0`; it leaves `--j 4` unnamed (with its commit's presets: the recorded settings) (seed 2) |",
         "| `c` | c2 (seeds 1, 2); c1 (seed 3) | the row's |"]
     del runs["b"]  # every run made by its row's command: no "made by" column
-    assert study.runs_table(runs) == ["| row | commit |", "|---|---|", "| `a` | c1 |", "| `c` | c2 (seeds 1, 2); c1 (seed 3) |"]
+    assert study.runs_table(runs) == ["\n**Each row's runs:** the commit they were made at (by seed where the seeds differ).\n",
+                                      "| row | commit |", "|---|---|", "| `a` | c1 |", "| `c` | c2 (seeds 1, 2); c1 (seed 3) |"]
 
 
 def test_a_run_whose_command_now_resolves_to_other_settings_is_told_apart():

@@ -52,15 +52,14 @@ def page(runs, args):
              ("Lemma 2 slope (s ≥ 1)", lambda r, _: probe_slope(r), "+.2f"),
              ("Lemma 2 slope (s 16–64)", lambda r, _: probe_slope(r, 16), "+.2f")]
     state = ("‖H_3‖ mean", lambda r, _: r["per_loop"][2]["norm_mean"], ".1f")
-    update = ("loop 4's update (relative step × ‖H_3‖)",
-              lambda r, _: r["per_loop"][3]["relative_step"] * r["per_loop"][2]["norm_mean"], ".1f")
-    lemma2 = table("Lemma 2 across the trained runs", "Lemma 2 holds one network fixed: scale its state and the update "
+    step4 = ("loop 4's update (relative step × ‖H_3‖)", lambda r, _: update(r), ".1f")
+    lemma2 = table("Lemma 2 across the per-loop runs", "Lemma 2 holds one network fixed: scale its state and the update "
                    "stays, so the relative step falls as 1/scale. Across trained per-loop runs the update is not fixed: "
                    "compare the columns (`loop_norm` reads RMSNorm(H_3) into loop 4, so its scale does not reach the loop). A "
                    "row can be flat (ΔPPL 1→4 near 0) because its loop 1 already reads out well: compare its PPL at loop 1 "
                    "with another row's at loop 4. (The ratios in the claims above are per seed, then averaged: not ratios of "
                    "these means.)",
-                   [state, update] + [next(c for c in loops if c[0] == n) for n in ("relative step at loop 4",
+                   [state, step4] + [next(c for c in loops if c[0] == n) for n in ("relative step at loop 4",
                                                                                    "PPL at loop 1", "PPL at loop 4", "ΔPPL 1→4")],
                    {n: s for n, s in runs.items() if all(trained(rep, 1) for _, rep in s.values())}, col, level="####")
     lines = ["# Paper A at CPU scale: the readout blind spot\n", study.provenance(runs, args),
@@ -129,11 +128,18 @@ def page(runs, args):
 
 
 def table(title, what, cols, runs, col, level="##"):
-    """A page table: a row per run, each column's seed mean (min–max)."""
+    """A page table: a row per run, each column's seed mean (min–max); none without runs."""
+    if not runs:
+        return []
     lines = [f"\n{level} {title}: mean (min–max) over seeds\n\n{what}\n",
              "| run | seeds | " + " | ".join(c[0] for c in cols) + " |\n|---|---|" + "---|" * len(cols)]
     return lines + [f"| {name} | {len(seeds)} | " + " | ".join(col(seeds, f, fmt) for _, f, fmt in cols) + " |"
                     for name, seeds in runs.items()]
+
+
+def update(rep):
+    """Loop 4's update ‖H_4 − H_3‖, as its relative step × ‖H_3‖ (per-token means): Lemma 2's b(u)."""
+    return rep["per_loop"][3]["relative_step"] * rep["per_loop"][2]["norm_mean"]
 
 
 def trained(rep, k):
@@ -274,8 +280,7 @@ def claims(runs, probes, lemma2):
                    f"{mr([step('norm-perloop', s) for s in seeds], '.1e')} for per-loop `norm`, "
                    f"{mr([step('raw-perloop', s) for s in seeds], '.1e')} for `raw`; smaller for `norm` on "
                    f"{sum(step('norm-perloop', s) < step('raw-perloop', s) for s in seeds)} of {len(seeds)} seeds.")
-        update = lambda row, s: step(row, s) * at(row, s, 3)["norm_mean"]  # ≈ ‖H_4 − H_3‖: the update b(u)
-        ratio = [update("norm-perloop", s) / update("raw-perloop", s) for s in seeds]
+        ratio = [update(runs["norm-perloop"][s][1]) / update(runs["raw-perloop"][s][1]) for s in seeds]
         state = [at("norm-perloop", s, 3)["norm_mean"] / at("raw-perloop", s, 3)["norm_mean"] for s in seeds]
         slower = [step("raw-perloop", s) / step("norm-perloop", s) for s in seeds]  # what the larger state costs
         out.append(f"- Lemma 2 is for a fixed network; across trained ones, loop 4's update (relative step × ‖H_3‖) "
@@ -331,7 +336,8 @@ def claims(runs, probes, lemma2):
                    "+0.0055); "
                    "`raw` reads the scale, so clamping it costs "
                    + mr([at(r, s)["clamp_delta_ce"] for r in runs if r.startswith("raw-perloop") for s in runs[r]], "+.4f") + ".")
-    return out
+    empty = lambda i: out[i].startswith("\n###") and (i + 1 == len(out) or out[i + 1].startswith("\n###"))
+    return [line for i, line in enumerate(out) if not empty(i)]  # a step's heading only over its claims
 
 
 if __name__ == "__main__":

@@ -371,13 +371,7 @@ def provenance(runs, args):
                                f"({first}: the oldest commit any run was made at)." if since.startswith("changed")
                            else ".")]
     if table:
-        lines += ["\n**Each row's runs:** the commit they were made at" + (", and the command that made them where it is "
-                  "not the row's under \"The recipes\" (seed as S" if other else " (") + "; by seed where the seeds differ)." + (
-                      " A run's report.json records the settings it ran with: the row's command resolves to them with "
-                      "today's presets (`study.settings_changed`: every setting but where a run and its data live and how "
-                      "it was started), the command that made it did with the presets of its commit; copied today, that "
-                      "command could differ (an option it leaves unnamed now takes today's preset value)." if other else "") + "\n",
-                  *runs_table(runs)]
+        lines += runs_table(runs)
     return "\n".join(lines) + "\n"
 
 
@@ -397,8 +391,8 @@ def options(argv):
 
 
 def runs_table(runs):
-    """The header's table: per row, the commit(s) its runs were made at and, where some run was made by another
-    command than its row's, the command(s) that made them."""
+    """The header's table, with the sentence that reads it: per row, the commit(s) its runs were made at and, where
+    some run was made by another command than its row's, the command(s) that made them."""
     def made_by(meta):
         if by_row(meta):
             return "the row's"
@@ -411,7 +405,13 @@ def runs_table(runs):
                                f"{'; it' if named else ': it'} leaves {', '.join(left)} unnamed" * bool(left),
                                " (with its commit's presets: the recorded settings)" * bool(named or left)])
     other = not all(by_row(m) for row in runs.values() for m, _ in row.values())
-    lines = ["| row | commit | made by |" if other else "| row | commit |", "|---|---|---|" if other else "|---|---|"]
+    lines = ["\n**Each row's runs:** the commit they were made at" + (", and the command that made them where it is "
+             "not the row's under \"The recipes\" (seed as S; " if other else " (") + "by seed where the seeds differ)." + (
+                 " A run's report.json records the settings it ran with: the row's command resolves to them with "
+                 "today's presets (`study.settings_changed`: every setting but where a run and its data live and how "
+                 "it was started), the command that made it did with the presets of its commit; copied today, that "
+                 "command could differ (an option it leaves unnamed now takes today's preset value)." if other else "") + "\n",
+             "| row | commit | made by |" if other else "| row | commit |", "|---|---|---|" if other else "|---|---|"]
     for name, row in runs.items():
         cells = []
         for key in (lambda m: m["commit"], made_by)[:1 + other]:
