@@ -225,8 +225,9 @@ def loop1_claims(runs, probes):
     return out
 
 
-# Paper A's own PPL for the same comparison (129M, per-loop CE, three-seed mean per token at K = 4)
-PAPER_PPL = {row: f" (Paper A, 129M, PPL per token at K = 4: {v} against `norm`'s 4.97)"
+# Paper A's own PPL for the same comparison (129M, per-loop CE, three-seed mean per token at K = 4, from its plotting
+# script; final_norm and raw both 4.55 there)
+PAPER_PPL = {row: f" (Paper A's plotting script, 129M, PPL per token at K = 4: {v} against `norm`'s 4.97)"
              for row, v in (("raw-perloop", "4.55"), ("final_norm-perloop", "4.55"), ("norm-perloop-penalty", "4.53"))}
 
 
