@@ -69,7 +69,7 @@ def evaluate(model, cfg, val_data, device, ctx, final=False):
         if final:
             x, _ = get_batch(val_data, 8, mcfg.block_size, torch.Generator().manual_seed(cfg.seed + 999))
             with torch.no_grad():
-                n = token_norms(model.loop_states(x.to(device), min(K, K_eval))[-1]).cpu().numpy()  # loop K's
+                n = token_norms(model.loop_states(x.to(device), last["k"])[-1]).cpu().numpy()  # loop K's
             counts, edges = np.histogram(n, bins=60)
             report["norm_hist"] = {"counts": counts.tolist(), "edges": edges.tolist()}
     model.train()

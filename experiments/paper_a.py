@@ -36,7 +36,6 @@ def page(runs, args):
     mr = study.mean_range
     probes = {m["out_dir"]: loop1_probe(m, rep) for seeds in runs.values() for m, rep in seeds.values()}
     probed = lambda key, scale=1: lambda r, m: None if probes[m["out_dir"]] is None else probes[m["out_dir"]][key] * scale
-    col = lambda seeds, f, fmt: mr([f(rep, meta) for meta, rep in seeds.values()], fmt)
     last = lambda rep: row_at_K(rep["per_loop"], rep["config"]["n_loops"])
     ppl = lambda k: lambda rep, _: rep["per_loop"][k - 1]["ppl"] if trained(rep, k) else None
     scale = [("‖H_1‖ mean", lambda r, _: r["per_loop"][0]["norm_mean"], ".1f"),
@@ -61,7 +60,7 @@ def page(runs, args):
                    "these means.)",
                    [state, step4] + [next(c for c in loops if c[0] == n) for n in ("relative step at loop 4",
                                                                                    "PPL at loop 1", "PPL at loop 4", "ΔPPL 1→4")],
-                   {n: s for n, s in runs.items() if all(trained(rep, 1) for _, rep in s.values())}, col, level="####")
+                   {n: s for n, s in runs.items() if all(trained(rep, 1) for _, rep in s.values())}, level="####")
     lines = ["# Paper A at CPU scale: the readout blind spot\n", study.provenance(runs, args),
              "\n## Paper A's claims, seed by seed\n", *claims(runs, probes, lemma2),
              "\n## The recipes\n", "`python train.py` options; each run adds `--seed S`. `config/ablation_cpu.py` is Paper A's "
@@ -90,7 +89,7 @@ def page(runs, args):
                  ("CE_1 of Δ_1 alone", probed("ce1_no_h0"), ".3f"),
                  ("H_0 read as its input (%)", probed("h0_reads_input", 100), ".1f")]),)
     for title, what, cols in tables:
-        lines += table(title, what, cols, runs, col)
+        lines += table(title, what, cols, runs)
     byname = {c[0]: c for c in loops + scale}
     each = [byname[n] for n in ("PPL at loop 1", "PPL at loop 4", "ΔPPL 1→4", "‖H_K‖ mean", "relative step at loop 4",
                                 "drift exponent b")]
@@ -127,12 +126,13 @@ def page(runs, args):
     return "\n".join(lines) + "\n", [png]
 
 
-def table(title, what, cols, runs, col, level="##"):
+def table(title, what, cols, runs, level="##"):
     """A page table: a row per run, each column's seed mean (min–max); none without runs."""
     if not runs:
         return []
     lines = [f"\n{level} {title}: mean (min–max) over seeds\n\n{what}\n",
              "| run | seeds | " + " | ".join(c[0] for c in cols) + " |\n|---|---|" + "---|" * len(cols)]
+    col = lambda seeds, f, fmt: study.mean_range([f(rep, meta) for meta, rep in seeds.values()], fmt)
     return lines + [f"| {name} | {len(seeds)} | " + " | ".join(col(seeds, f, fmt) for _, f, fmt in cols) + " |"
                     for name, seeds in runs.items()]
 

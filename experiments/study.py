@@ -329,7 +329,7 @@ def provenance(runs, args):
     seeds = sorted({s for r in runs.values() for s in r})
     commits = sorted({m["commit"] for m in metas})
     threads = {0: "torch's default threads", 1: "1 thread each"}.get(args.threads, f"{args.threads} threads each")
-    other = not all(map(by_row, metas))  # some runs were made by another command
+    other = made_by_others(runs)
     # one run's own command, without where its run and data live (PLACES): one its row's command made, if any
     own = next((m["argv"] for m in metas if by_row(m)), None)
     argv = own or metas[0]["argv"]
@@ -390,6 +390,11 @@ def options(argv):
     return out
 
 
+def made_by_others(runs):
+    """Whether some finished run was made by another command than its row's (by_row)."""
+    return not all(by_row(m) for row in runs.values() for m, _ in row.values())
+
+
 def runs_table(runs):
     """The header's table, with the sentence that reads it: per row, the commit(s) its runs were made at and, where
     some run was made by another command than its row's, the command(s) that made them."""
@@ -404,7 +409,7 @@ def runs_table(runs):
         return cell + "".join([f": spells out {', '.join(named)}" * bool(named),
                                f"{'; it' if named else ': it'} leaves {', '.join(left)} unnamed" * bool(left),
                                " (with its commit's presets: the recorded settings)" * bool(named or left)])
-    other = not all(by_row(m) for row in runs.values() for m, _ in row.values())
+    other = made_by_others(runs)
     lines = ["\n**Each row's runs:** the commit they were made at" + (", and the command that made them where it is "
              "not the row's under \"The recipes\" (seed as S; " if other else " (") + "by seed where the seeds differ)." + (
                  " A run's report.json records the settings it ran with: the row's command resolves to them with "
