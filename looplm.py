@@ -403,6 +403,21 @@ def relative_step(h_prev, h):
     return ((h - h_prev).float().norm(dim=-1) / h_prev.float().norm(dim=-1).clamp_min(1e-12)).mean().item()
 
 
+@torch.no_grad()
+def loop1_probe(model, idx, targets):
+    """Where the state's scale is made: what loop 1 does with the embedding H_0 (per token, averaged). ‖H_0‖,
+    ‖Δ_1‖ = ‖H_1 − H_0‖, cos(Δ_1, H_0); CE_1 (nats), CE_1 of Δ_1 alone (H_0 taken out of H_1); CE of H_0's own
+    readout, and how often it predicts the input token. The tied head reads the embedding back as the input
+    token, so a next-token model must overwrite H_0: by opposing it, or by outgrowing it (a large ‖H_1‖)."""
+    K = model.config.n_loops
+    ce = lambda h: F.cross_entropy(model.readout(h, 1, K).float().flatten(0, 1), targets.flatten()).item()
+    h0 = model.embed(idx)
+    d1 = model.loop_states(idx, 1)[0] - h0
+    return {"h0": token_norms(h0).mean().item(), "d1": token_norms(d1).mean().item(),
+            "cos": F.cosine_similarity(d1, h0, dim=-1).mean().item(), "ce0": ce(h0), "ce1": ce(h0 + d1),
+            "ce1_no_h0": ce(d1), "h0_reads_input": (model.readout(h0, 1, K).argmax(-1) == idx).float().mean().item()}
+
+
 SCALES = (1 / 64, 1 / 16, 1 / 4, 1, 4, 16, 64)
 
 

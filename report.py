@@ -23,7 +23,7 @@ import stars
 from checkpoint import read_log
 from configurator import RunError, UsageError
 from data import ADDITION_CHARS, addition_heldout, atomic_write_text, get_batch
-from looplm import SCALES, norm_stats, radial_fraction, relative_step, scale_probe, token_norms
+from looplm import SCALES, loop1_probe, norm_stats, radial_fraction, relative_step, scale_probe, token_norms
 
 
 # ---------------------------------------------------------------- evaluation
@@ -72,6 +72,9 @@ def evaluate(model, cfg, val_data, device, ctx, final=False):
                 n = token_norms(model.loop_states(x.to(device), last["k"])[-1]).cpu().numpy()  # loop K's
             counts, edges = np.histogram(n, bins=60)
             report["norm_hist"] = {"counts": counts.tolist(), "edges": edges.tolist()}
+            x, y = get_batch(val_data, min(cfg.batch_size, 16), mcfg.block_size,  # evaluate_lm's first batch
+                             torch.Generator().manual_seed(cfg.seed + 999))
+            report["loop1_probe"] = loop1_probe(model, x.to(device), y.to(device))
     model.train()
     return val_loss, report
 
@@ -199,7 +202,7 @@ def loop_rho(model, h0, h, off_state=False):
 @torch.no_grad()
 def evaluate_lm(model, val, cfg, K_eval, device, ctx, final=True):
     """Per loop k = 1..K_eval: CE/PPL, ‖H_k‖ stats (L2, per token), radial gradient fraction,
-    relative step, ρ of the loop map (loop_rho, all directions and off the state), Lemma 2's scale probe (loop k's
+    relative step and update ‖H_k − H_{k−1}‖ (per token, averaged), ρ of the loop map (loop_rho, all directions and off the state), Lemma 2's scale probe (loop k's
     relative step from s·H_{k-1}, s in looplm.SCALES), clamp ΔCE, tokens/s at depth k (ρ at DEPTHS from 2 on, the
     probe at 2 <= k <= 8, at DEPTHS and at K_eval, tokens/s at DEPTHS, K and K_eval, the clamp at k <= max(8, K);
     None elsewhere). An intermediate evaluation (final=False: its report is not written) leaves out ρ, the probe and tokens/s.
@@ -209,7 +212,7 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx, final=True):
     B, T = min(cfg.batch_size, 16), model.config.block_size
     g = torch.Generator().manual_seed(cfg.seed + 999)  # fixed validation batches
     batches = [get_batch(val, B, T, g) for _ in range(cfg.eval_iters)]
-    ce, ce_run, ce_clamp, res = np.zeros(K_eval), np.zeros(K_eval), np.zeros(K_eval), np.zeros(K_eval)
+    ce, ce_run, ce_clamp, res, upd = (np.zeros(K_eval) for _ in range(5))
     K_train, final_norm = model.config.n_loops, model.config.readout == "final_norm"
     K_clamp = min(K_eval, max(8, K_train))  # the clamp (a second pass) at the trained depths, not at all 64
     norms = [[] for _ in range(K_eval)]
@@ -230,6 +233,7 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx, final=True):
                 norms[k - 1].append(token_norms(states[k - 1]).cpu())
                 if k > 1:
                     res[k - 1] += relative_step(states[k - 2], states[k - 1]) / len(batches)
+                    upd[k - 1] += token_norms(states[k - 1] - states[k - 2]).mean().item() / len(batches)
     x, y = batches[0][0].to(device), batches[0][1].to(device)
     # the first batch's states again for the radial fraction and ρ below: in fp32 (recomputed only under autocast)
     states = first if isinstance(ctx, nullcontext) else model.loop_states(x, K_eval)
@@ -245,7 +249,7 @@ def evaluate_lm(model, val, cfg, K_eval, device, ctx, final=True):
                      **({"ce_run_at_k": ce_run[k - 1] if k < K_train else ce[k - 1]} if final_norm else {}),
                      **{f"norm_{n}": s[n] for n in ("mean", "median", "p99", "max", "std", "min")},
                      "radial_fraction": radial_fraction(model, states[k - 1], y, k, curve_depth(model, k)),
-                     "relative_step": res[k - 1] if k > 1 else None,
+                     "relative_step": res[k - 1] if k > 1 else None, "update": upd[k - 1] if k > 1 else None,
                      "spectral_radius": rho[0], "spectral_radius_off_state": rho[1],
                      "scale_probe": scale_probe(model, states[k - 2][:4], h0) if probed(k) else None,
                      "clamp_delta_ce": ce_clamp[k - 1] - ce[k - 1] if k <= K_clamp else None,

@@ -26,7 +26,8 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
         # the probe falls as s^-2 below s = 1 and as s^-1 (raw: s^-1/2) above: the slope is fitted above only
         probe = [0.1 / (norm * s ** ((0.5 if ppl1 > 10 else 1) if s >= 1 else 2)) for s in paper_a.SCALES]
         rows = [{"k": k, "ppl": ppl1 + (ppl4 - ppl1) * (k - 1) / 3, "norm_mean": norm, "radial_fraction": radial,
-                 "clamp_delta_ce": clamp, "relative_step": 0.1 / norm ** 0.5, "scale_probe": probe} for k in (1, 2, 3, 4)]
+                 "clamp_delta_ce": clamp, "relative_step": 0.1 / norm ** 0.5, "update": 0.1 * norm ** 0.5,
+                 "scale_probe": probe} for k in (1, 2, 3, 4)]
         out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
         out.mkdir()  # its training log: ‖H_K‖ = norm · (step/100)^b, so the drift exponent is b
         (out / "log.jsonl").write_text("".join(json.dumps({"iter": i, "norm_K": norm * (i / 100) ** b}) + "\n"
@@ -35,7 +36,7 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
     runs = {"norm-perloop": {1: run(900.0, 9.0, 9.0, b=0.5), 2: run(700.0, 9.0, 9.1), 3: run(5.0, 9.0, 9.0)},
             "raw-perloop": {1: run(7.0, 11.0, 8.5, 2e-2, 0.1), 2: run(8.0, 11.0, 9.5, 3e-2, 0.1),
                             3: run(9.0, 11.0, 8.0, 1e-2, 0.1)}}
-    lines = paper_a.claims(runs, {}, ["<the Lemma 2 table>"])
+    lines = paper_a.claims(runs, ["<the Lemma 2 table>"])
     drift = next(line for line in lines if line.startswith("- Scale gap"))
     assert "larger on 2 of 3 seeds" in drift  # seed 3: norm 5 < raw 9
     fix = next(line for line in lines if line.startswith("- `raw-perloop`"))
@@ -61,43 +62,24 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
             < lines.index(frozen) < lines.index(across) < lines.index(flat) < lines.index("<the Lemma 2 table>") < step(4)
             < lines.index(fix))
     # a run too short to fit a drift exponent (--quick: one logged step) leaves it n/a rather than failing the page
-    short = paper_a.claims({"norm-terminal": {1: run(50.0, 9.0, 8.0, steps=[4])}}, {}, [])
+    short = paper_a.claims({"norm-terminal": {1: run(50.0, 9.0, 8.0, steps=[4])}}, [])
     heads = [line[5:8] for line in short if line.startswith("\n###")]
     assert heads == ["(1)", "(3)"]  # a step without claims (no `raw` run: no radial contrast; no fix) has no heading
     assert "drift exponent over the second half n/a, still growing (b > 0.1) on 0 of 1 seeds" in "".join(short)
 
 
-def test_loop1_probe_measures_what_loop_1_does_with_the_embedding(tmp_path):
-    import math
-    import torch
+def test_loop1_claims_say_whether_loop_1_opposes_or_outgrows_the_embedding():
     import paper_a
-    from checkpoint import save_checkpoint
-    from dataclasses import asdict
-    from looplm import LoopLM, LoopLMConfig
-    from train import TrainConfig
-    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 80)
-    cfg = asdict(TrainConfig(dataset="text", data_files=f"{tmp_path}/a.txt", tokenizer="bytes",
-                             cache_dir=str(tmp_path / "cache"), batch_size=4, seed=1, out_dir=str(tmp_path)))
-    torch.manual_seed(0)
-    mcfg = LoopLMConfig(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=32, readout="raw", dropout=0.0)
-    model = LoopLM(mcfg)
-    for block in model.blocks:  # no update: H_1 = H_0
-        torch.nn.init.zeros_(block.attn.c_proj.weight), torch.nn.init.zeros_(block.mlp.c_proj.weight)
-    save_checkpoint(str(tmp_path / "ckpt.pt"), {"model": model.state_dict(), "model_args": asdict(mcfg), "config": cfg,
-                                                "tokenizer": {"kind": "bytes"}})
-    cfg["block_size"] = 32  # the report's config holds the model's settings too
-    p = paper_a.loop1_probe({"out_dir": str(tmp_path)}, {"config": cfg})
-    assert p["d1"] == 0 and p["ce1"] == p["ce0"]  # loop 1 did nothing
-    assert abs(p["ce1_no_h0"] - math.log(256)) < 1e-5  # Δ_1 = 0 reads out as uniform logits
-    assert abs(p["h0"] - math.sqrt(2 * 32)) < 2  # token + position embeddings, each N(0, 1) in 32 dimensions
-    assert p["h0_reads_input"] > 0.5  # the tied head reads the embedding back as its own token (chance: 1/256)
-    runs = {"norm-perloop": {1: ({"out_dir": "a"}, {"config": {"readout": "norm", "norm_penalty": 0.0, "init": "pytorch"}})},
-            "raw-perloop": {1: ({"out_dir": "b"}, {"config": {"readout": "raw", "norm_penalty": 0.0, "init": "pytorch"}})}}
-    probes = {"a": dict(p, d1=40 * p["h0"], cos=0.05), "b": dict(p, d1=p["h0"], cos=-0.8)}
-    lines = paper_a.loop1_claims(runs, probes)
+    probe = {"h0": 10.0, "ce0": 80.0, "ce1": 2.0, "ce1_no_h0": 9.0, "h0_reads_input": 1.0}
+    rep = lambda readout, **p: {"config": {"readout": readout, "norm_penalty": 0.0, "init": "pytorch"},
+                                "loop1_probe": dict(probe, **p)}
+    runs = {"norm-perloop": {1: ({}, rep("norm", d1=400.0, cos=0.05))}, "raw-perloop": {1: ({}, rep("raw", d1=10.0, cos=-0.8))},
+            "unprobed": {1: ({}, {"config": {"readout": "raw", "norm_penalty": 0.0, "init": "pytorch"}})}}
+    lines = paper_a.loop1_claims(runs)
+    assert "on 100.0% to 100.0% of positions in the 2 runs probed" in lines[0]
     assert any(line.startswith("- The 1 runs with Paper A's init whose loss sees") and "cos(Δ_1, H_0) -0.800" in line
-               and "1.0x to 1.0x" in line for line in lines)
-    assert any("cannot see it" in line and "40.0x to 40.0x" in line for line in lines)
+               and "1.0x to 1.0x" in line and "oppose it" in line for line in lines)
+    assert any("cannot see it" in line and "outgrow it" in line and "40.0x to 40.0x" in line for line in lines)
     assert not any("nanoGPT's init, whose" in line for line in lines)  # no such run
 
 

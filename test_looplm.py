@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from configurator import UsageError
 from conftest import batch, tiny
-from looplm import (SCALES, LoopLM, LoopLMConfig, ce_by_loop, norm_stats, radial_fraction, relative_step, rms, scale_probe,
-                    token_norms)
+from looplm import (SCALES, LoopLM, LoopLMConfig, ce_by_loop, loop1_probe, norm_stats, radial_fraction, relative_step, rms,
+                    scale_probe, token_norms)
 
 
 def test_one_loop_equals_plain_transformer():
@@ -237,6 +237,20 @@ def test_scale_probe_shows_lemma_2_for_pre_norm_and_not_through_loop_norm():
     h = m.loop_states(idx, 2)[0]
     steps = scale_probe(m, h / rms(h), m.embed(idx))  # from RMS 1/64 to 64
     assert abs(steps[-1] - 1) < 0.05 and steps[0] > 10, steps
+
+
+def test_loop1_probe_measures_what_loop_1_does_with_the_embedding():
+    idx, tgt = batch()
+    m = tiny(init="pytorch", readout="raw")  # Paper A's init: an N(0, 1) embedding
+    for block in m.blocks:  # no update: H_1 = H_0
+        torch.nn.init.zeros_(block.attn.c_proj.weight), torch.nn.init.zeros_(block.mlp.c_proj.weight)
+    p = loop1_probe(m, idx, tgt)
+    assert p["d1"] == 0 and p["ce1"] == p["ce0"]  # loop 1 did nothing
+    assert abs(p["ce1_no_h0"] - math.log(61)) < 1e-5  # Δ_1 = 0 reads out as uniform logits
+    assert abs(p["h0"] - math.sqrt(2 * 32)) < 2  # token + position embeddings, each N(0, 1) in 32 dimensions
+    assert p["h0_reads_input"] > 0.9  # the tied head reads the embedding back as its own token (chance: 1/61)
+    p = loop1_probe(tiny(init="pytorch", readout="raw"), idx, tgt)  # a working loop: cos(Δ_1, H_0) a true cosine
+    assert p["d1"] > 0 and -1 <= p["cos"] <= 1 and p["ce1"] != p["ce0"]
 
 
 @pytest.mark.parametrize("field,value,msg", [

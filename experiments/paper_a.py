@@ -34,8 +34,7 @@ def page(runs, args):
     from checkpoint import read_log
     from report import drift_exponent, row_at_K
     mr = study.mean_range
-    probes = {m["out_dir"]: loop1_probe(m, rep) for seeds in runs.values() for m, rep in seeds.values()}
-    probed = lambda key, scale=1: lambda r, m: None if probes[m["out_dir"]] is None else probes[m["out_dir"]][key] * scale
+    probed = lambda key, scale=1: lambda r, _: r["loop1_probe"][key] * scale if "loop1_probe" in r else None
     last = lambda rep: row_at_K(rep["per_loop"], rep["config"]["n_loops"])
     ppl = lambda k: lambda rep, _: rep["per_loop"][k - 1]["ppl"] if trained(rep, k) else None
     scale = [("‖H_1‖ mean", lambda r, _: r["per_loop"][0]["norm_mean"], ".1f"),
@@ -51,7 +50,7 @@ def page(runs, args):
              ("Lemma 2 slope (s ≥ 1)", lambda r, _: probe_slope(r), "+.2f"),
              ("Lemma 2 slope (s 16–64)", lambda r, _: probe_slope(r, 16), "+.2f")]
     state = ("‖H_3‖ mean", lambda r, _: r["per_loop"][2]["norm_mean"], ".1f")
-    step4 = ("loop 4's update (relative step × ‖H_3‖)", lambda r, _: update(r), ".1f")
+    step4 = ("loop 4's update ‖H_4 − H_3‖", lambda r, _: update(r), ".1f")
     lemma2 = table("Lemma 2 across the per-loop runs", "Lemma 2 holds one network fixed: scale its state and the update "
                    "stays, so the relative step falls as 1/scale. Across trained per-loop runs the update is not fixed: "
                    "compare the columns (`loop_norm` reads RMSNorm(H_3) into loop 4, so its scale does not reach the loop). A "
@@ -62,7 +61,7 @@ def page(runs, args):
                                                                                    "PPL at loop 1", "PPL at loop 4", "ΔPPL 1→4")],
                    {n: s for n, s in runs.items() if all(trained(rep, 1) for _, rep in s.values())}, level="####")
     lines = ["# Paper A at CPU scale: the readout blind spot\n", study.provenance(runs, args),
-             "\n## Paper A's claims, seed by seed\n", *claims(runs, probes, lemma2),
+             "\n## Paper A's claims, seed by seed\n", *claims(runs, lemma2),
              "\n## The recipes\n", "`python train.py` options; each run adds `--seed S`. `config/ablation_cpu.py` is Paper A's "
              "recipe at CPU scale (its init, constant LR, epochs of windows) on WikiText-2 bytes: d 128, 2 layers × 4 "
              "loops, 600 steps. Each row switches one of the paper's ideas: the study's first seven (`paper_a.ROWS`) are Paper A's "
@@ -80,8 +79,8 @@ def page(runs, args):
                "bounds how far loop 4 turns the state's direction (Lemma 2). Lemma 2 slope: loop 4 run from its input "
                "rescaled, s·H_3 (`looplm.scale_probe`), the log-log slope of its relative step against s for s from 1 to "
                "64, and from 16 to 64 (its two points s = 16 and 64), far from s = 1 (Lemma 2: −1 as s grows; the plot shows s from 1/64).", loops))
-    tables += (("What loop 1 does with the embedding", "From each run's checkpoint, on the first validation batch of its "
-                "evaluation (`loop1_probe`): per token, averaged, the embedding H_0 (token + position), loop 1's update "
+    tables += (("What loop 1 does with the embedding", "From each run's report.json (`looplm.loop1_probe`, on the first "
+                "validation batch of its evaluation): per token, averaged, the embedding H_0 (token + position), loop 1's update "
                 "Δ_1 = H_1 − H_0 and their cosine; CE_1 (nats) and CE_1 with H_0 taken out of H_1 (the readout of Δ_1 "
                 "alone); CE of the readout of H_0 itself, and the share of positions where it predicts the input byte.",
                 [("‖H_0‖", probed("h0"), ".1f"), ("‖Δ_1‖", probed("d1"), ".1f"), ("cos(Δ_1, H_0)", probed("cos"), "+.3f"),
@@ -138,8 +137,8 @@ def table(title, what, cols, runs, level="##"):
 
 
 def update(rep):
-    """Loop 4's update ‖H_4 − H_3‖, as its relative step × ‖H_3‖ (per-token means): Lemma 2's b(u)."""
-    return rep["per_loop"][3]["relative_step"] * rep["per_loop"][2]["norm_mean"]
+    """Loop 4's update ‖H_4 − H_3‖ (per token, averaged): Lemma 2's b(u)."""
+    return rep["per_loop"][3]["update"]
 
 
 def trained(rep, k):
@@ -154,37 +153,6 @@ def logged_norm(meta, frac):
     return next(r["norm_K"] for r in rows if r["iter"] >= frac * rows[-1]["iter"]) if rows else None
 
 
-def loop1_probe(meta, rep):
-    """What loop 1 does with the embedding H_0, from the run's checkpoint, on the first validation batch of its
-    evaluation (drawn as report.evaluate_lm draws it): per token, averaged, ‖H_0‖, ‖Δ_1‖ = ‖H_1 − H_0‖ and
-    cos(Δ_1, H_0); CE_1 (loop 1's readout, nats) and CE_1 of Δ_1 alone (H_0 taken out of H_1); CE of the readout of H_0
-    itself, and how often it predicts the input token (the tied head reads the embedding back: a next-token model
-    must overwrite it). None, with a note, when the checkpoint or the data the run read is not there."""
-    import torch
-    import torch.nn.functional as F
-    from checkpoint import load_checkpoint, model_from_checkpoint
-    from configurator import RunError
-    from data import get_batch, prepare_data
-    from looplm import token_norms
-    try:
-        ckpt = load_checkpoint(meta["out_dir"])
-        val = prepare_data(rep["config"], ckpt["tokenizer"])[1]
-    except (RunError, OSError) as e:
-        print(f"left out of the loop-1 probe: {meta['out_dir']} ({e})")
-        return None
-    model, cfg = model_from_checkpoint(ckpt), rep["config"]
-    x, y = get_batch(val, min(cfg["batch_size"], 16), model.config.block_size,
-                     torch.Generator().manual_seed(cfg["seed"] + 999))
-    K = model.config.n_loops
-    ce = lambda h: F.cross_entropy(model.readout(h, 1, K).flatten(0, 1), y.flatten()).item()
-    with torch.no_grad():
-        h0 = model.embed(x)
-        d1 = model.loop_states(x, 1)[0] - h0
-        return {"h0": token_norms(h0).mean().item(), "d1": token_norms(d1).mean().item(),
-                "cos": F.cosine_similarity(d1, h0, dim=-1).mean().item(), "ce0": ce(h0), "ce1": ce(h0 + d1),
-                "ce1_no_h0": ce(d1), "h0_reads_input": (model.readout(h0, 1, K).argmax(-1) == x).float().mean().item()}
-
-
 def probe_slope(rep, lo=1):
     """The log-log slope of loop 4's relative step against the scale s ≥ lo of its input: Lemma 2's regime, a state
     scaled up (Lemma 2: −1 as s grows). The page's plot shows the whole probe, s from 1/64."""
@@ -192,16 +160,17 @@ def probe_slope(rep, lo=1):
     return float(np.polyfit(np.log([s for s, _ in big]), np.log([v for _, v in big]), 1)[0])
 
 
-def loop1_claims(runs, probes):
-    """Why per-loop `norm`'s state is large from loop 1 on: what loop 1 does with the embedding (loop1_probe), in
+def loop1_claims(runs):
+    """Why per-loop `norm`'s state is large from loop 1 on: what loop 1 does with the embedding (report.json's
+    loop1_probe, looplm.loop1_probe), in
     the runs whose loss sees the state's scale (a raw readout, or the norm penalty) and the others, by init. The verb
     comes from the numbers: Δ_1 opposes H_0 where every cosine is negative, outgrows it where every ‖Δ_1‖ > ‖H_0‖."""
-    got = {m["out_dir"]: (rep["config"], probes[m["out_dir"]]) for seeds in runs.values() for m, rep in seeds.values()
-           if probes.get(m["out_dir"]) is not None}
+    got = [(rep["config"], rep["loop1_probe"]) for seeds in runs.values() for _, rep in seeds.values()
+           if "loop1_probe" in rep]
     if not got:
         return []
-    reads = [p["h0_reads_input"] for _, p in got.values()]
-    ce0 = lambda init: [p["ce0"] for c, p in got.values() if (c["init"] == "pytorch") == init]
+    reads = [p["h0_reads_input"] for _, p in got]
+    ce0 = lambda init: [p["ce0"] for c, p in got if (c["init"] == "pytorch") == init]
     out = [f"- The tied head reads the embedding back: the readout of H_0 predicts the input byte itself on "
            f"{100 * min(reads):.1f}% to {100 * max(reads):.1f}% of positions in the {len(reads)} runs probed, so loop 1 "
            "must overwrite H_0" + (f"; with Paper A's init confidently (CE {min(ce0(True)):.1f} to "
@@ -214,7 +183,7 @@ def loop1_claims(runs, probes):
                "readout only, no penalty)"),
               (lambda c: c["init"] != "pytorch", "with nanoGPT's init, whose H_0 is small, whatever the readout,"))
     for member, which in groups:
-        p = [q for c, q in got.values() if member(c)]
+        p = [q for c, q in got if member(c)]
         if p:
             ratio, cos = [q["d1"] / q["h0"] for q in p], [q["cos"] for q in p]
             moved = [q["ce1_no_h0"] - q["ce1"] for q in p]
@@ -231,7 +200,7 @@ PAPER_PPL = {row: f" (Paper A's plotting script, 129M, PPL per token at K = 4: {
              for row, v in (("raw-perloop", "4.55"), ("final_norm-perloop", "4.55"), ("norm-perloop-penalty", "4.53"))}
 
 
-def claims(runs, probes, lemma2):
+def claims(runs, lemma2):
     """Each of Paper A's claims as one line, the seed mean (min–max) and on how many seeds it holds, under the step
     of the paper's argument it tests (the README's four steps), with Lemma 2's table (lemma2) under its step."""
     from checkpoint import read_log
@@ -265,7 +234,7 @@ def claims(runs, probes, lemma2):
             ratio = [at(base, s)["norm_mean"] / at(pen, s)["norm_mean"] for s in seeds]
             out.append(f"- The norm penalty keeps the scale down: `{pen}`'s ‖H_K‖ {mr([at(pen, s)['norm_mean'] for s in seeds])}, "
                        f"{mr(ratio, '.0f')}x below `{base}`'s; below it on {sum(r > 1 for r in ratio)} of {len(seeds)} seeds.")
-    out += loop1_claims(runs, probes)
+    out += loop1_claims(runs)
     out.append("\n### (2) Lemma 1: loop k's own loss cannot see the scale\n")
     blind = [at(r, s)["radial_fraction"] for r in runs if "raw" not in r for s in runs[r]]
     seen = [at(r, s)["radial_fraction"] for r in runs if "raw" in r for s in runs[r]]
@@ -284,7 +253,7 @@ def claims(runs, probes, lemma2):
         ratio = [update(runs["norm-perloop"][s][1]) / update(runs["raw-perloop"][s][1]) for s in seeds]
         state = [at("norm-perloop", s, 3)["norm_mean"] / at("raw-perloop", s, 3)["norm_mean"] for s in seeds]
         slower = [step("raw-perloop", s) / step("norm-perloop", s) for s in seeds]  # what the larger state costs
-        out.append(f"- Lemma 2 is for a fixed network; across trained ones, loop 4's update (relative step × ‖H_3‖) "
+        out.append(f"- Lemma 2 is for a fixed network; across trained ones, loop 4's update ‖H_4 − H_3‖ "
                    f"of per-loop `norm` is {mr(ratio, '.0f')}x `raw`'s, for a {mr(state, '.0f')}x larger ‖H_3‖; "
                    f"larger on {sum(r > 1 for r in ratio)} of {len(seeds)} seeds. So its relative step is "
                    f"{mr(slower, '.1f')}x smaller than `raw`'s, not the {mr(state, '.0f')}x a fixed network would give.")
