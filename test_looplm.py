@@ -249,8 +249,13 @@ def test_loop1_probe_measures_what_loop_1_does_with_the_embedding():
     assert abs(p["ce1_no_h0"] - math.log(61)) < 1e-5  # Δ_1 = 0 reads out as uniform logits
     assert abs(p["h0"] - math.sqrt(2 * 32)) < 2  # token + position embeddings, each N(0, 1) in 32 dimensions
     assert p["h0_reads_input"] > 0.9  # the tied head reads the embedding back as its own token (chance: 1/61)
-    p = loop1_probe(tiny(init="pytorch", readout="raw"), idx, tgt)  # a working loop: cos(Δ_1, H_0) a true cosine
-    assert p["d1"] > 0 and -1 <= p["cos"] <= 1 and p["ce1"] != p["ce0"]
+    m = tiny(init="pytorch", readout="final_norm")  # a working loop, read out at loop 1 of K = 4: raw
+    p, h0 = loop1_probe(m, idx, tgt), m.embed(idx)
+    d1 = m.loop_states(idx, 1)[0] - h0
+    assert abs(p["cos"] - F.cosine_similarity(d1, h0, dim=-1).mean().item()) < 1e-6
+    ce = lambda logits: F.cross_entropy(logits.flatten(0, 1), tgt.flatten()).item()
+    assert abs(p["ce1"] - ce(m.lm_head(h0 + d1))) < 1e-5  # final_norm before loop K: the raw readout
+    assert abs(p["ce1"] - ce(m.lm_head(m.ln_f(h0 + d1)))) > 1e-3  # not the normalized one (loop 1 of 1 would be)
 
 
 @pytest.mark.parametrize("field,value,msg", [

@@ -18,21 +18,21 @@ from conftest import TRAIN_TINY, copy_run, file_bytes, run_train
 
 TRAIN_PER_LOOP_FIELDS = {"k", "ce", "ppl", "norm_mean", "norm_median", "norm_p99", "norm_max", "norm_std", "norm_min",
                          "radial_fraction", "relative_step", "spectral_radius", "spectral_radius_off_state", "scale_probe",
-                         "clamp_delta_ce", "tokens_per_s"}
+                         "clamp_delta_ce", "tokens_per_s", "update"}
 
 
 @pytest.mark.slow
 def test_report_has_every_field_and_eval_only_rewrites_it(trained_run, train_data_args, tmp_path):
     out = copy_run(trained_run, tmp_path / "run")
     rep = json.load(open(os.path.join(out, "report.json")))
-    assert {"config", "params", "per_loop"} <= set(rep)
+    assert {"config", "params", "per_loop", "loop1_probe"} <= set(rep)
     assert rep["params"] == checkpoint.model_from_checkpoint(checkpoint.load_checkpoint(out)).num_params()
     assert rep["config"]["n_embd"] == 32 and rep["config"]["n_loops"] == 2
     assert [r["k"] for r in rep["per_loop"]] == [1, 2]  # K_eval defaults to n_loops
     for r in rep["per_loop"]:
         assert set(r) == TRAIN_PER_LOOP_FIELDS
         for name, v in r.items():
-            if name in ("relative_step", "scale_probe", "spectral_radius", "spectral_radius_off_state") and r["k"] == 1:
+            if name in ("relative_step", "update", "scale_probe", "spectral_radius", "spectral_radius_off_state") and r["k"] == 1:
                 assert v is None
             elif name == "scale_probe":
                 assert len(v) == len(rep["scale_probe_scales"]) and all(math.isfinite(x) and x > 0 for x in v)
@@ -138,6 +138,22 @@ def test_early_exit_curve_reads_final_norm_raw_before_the_trained_depth():
     for k in (3, 4, 5):  # at and past K, both curves are the model run at depth k
         assert abs(rows[k - 1]["ce"] - norm_rows[k - 1]["ce"]) < 1e-6 and rows[k - 1]["ce_run_at_k"] == rows[k - 1]["ce"]
     assert "ce_run_at_k" not in raw_rows[0]
+
+
+def test_evaluation_measures_each_loops_update_and_the_loop_1_probe_on_its_first_batch():
+    from conftest import tiny
+    from data import get_batch
+    from looplm import token_norms
+    m = tiny(readout="final_norm", n_loops=3)
+    val = np.random.default_rng(0).integers(0, 61, 4000).astype(np.uint16)
+    cfg = train.TrainConfig(batch_size=4, eval_iters=1, seed=0, task="lm")
+    rows, _ = report.evaluate_lm(m, val, cfg, 3, "cpu", contextlib.nullcontext(), final=False)
+    x, _ = get_batch(val, 4, 32, torch.Generator().manual_seed(999))  # evaluate_lm's one batch
+    states = m.loop_states(x, 3)
+    for k in (2, 3):  # ‖H_k − H_{k−1}‖ per token, averaged
+        assert abs(rows[k - 1]["update"] - token_norms(states[k - 1] - states[k - 2]).mean().item()) < 1e-5
+    _, rep = report.evaluate(m, cfg, val, "cpu", contextlib.nullcontext(), final=True)
+    assert rep["loop1_probe"]["ce1"] == rep["per_loop"][0]["ce"]  # loop 1's readout on the same (only) batch
 
 
 def test_depth_table_measures_the_rise_at_four_times_the_trained_depth(capsys):

@@ -162,9 +162,8 @@ def probe_slope(rep, lo=1):
 
 def loop1_claims(runs):
     """Why per-loop `norm`'s state is large from loop 1 on: what loop 1 does with the embedding (report.json's
-    loop1_probe, looplm.loop1_probe), in
-    the runs whose loss sees the state's scale (a raw readout, or the norm penalty) and the others, by init. The verb
-    comes from the numbers: Δ_1 opposes H_0 where every cosine is negative, outgrows it where every ‖Δ_1‖ > ‖H_0‖."""
+    loop1_probe, from looplm.loop1_probe), in the runs whose loss sees the state's scale (a raw readout, or the norm
+    penalty) and the others, by init. The verb comes from the numbers: Δ_1 opposes H_0 where every cosine is negative, outgrows it where every ‖Δ_1‖ > ‖H_0‖."""
     got = [(rep["config"], rep["loop1_probe"]) for seeds in runs.values() for _, rep in seeds.values()
            if "loop1_probe" in rep]
     if not got:

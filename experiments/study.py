@@ -9,8 +9,8 @@ its train.py options, run once per seed (nanochat's runs/speedrun.sh, with seeds
     study.write_page(args, *page(runs, args))  # experiments/paper_b.md and its plots, with the provenance line
 
 Each run lives in runs/<study>/<row>/s<seed>/ (train.py's ckpt.pt, log.jsonl, report.json, plots, and
-run.json: the command, its wall time, the commit and the machine); git keeps all but the checkpoint and plots,
-so --page_only remakes a page on any clone. A finished run whose report holds the
+run.json: the command, its wall time, the commit and the machine); git keeps all but the checkpoint and plots
+(under runs/, but not runs/<study>-quick), so --page_only remakes a page on any clone. A finished run whose report holds the
 settings its row's command resolves to now is not run again, whatever command made it (a row's command may
 change without changing the run: an option a preset now sets), so an interrupted study resumes where it
 stopped; an interrupted run continues from its checkpoint (--init_from resume) if its command is the same.
@@ -342,7 +342,7 @@ def provenance(runs, args):
     offline = ("; these runs read WikiText-2 from local files, the text the hub serves"
                if "--data_dir" in dropped and report.get("config", {}).get("task") == "lm" else "")
     where = os.path.relpath(args.runs, ROOT) if args.runs.startswith(ROOT + os.sep) else args.runs
-    kept = "" if os.path.isabs(where) else (", their records in git (report.json, run.json, the logs; not the checkpoints): "
+    kept = "" if args.quick or where.split(os.sep)[0] != "runs" else (", their records in git (report.json, run.json, the logs; not the checkpoints): "
                                             "`--page_only` remakes this page from them")
     took = (f"A run took {min(walls):.1f} to {max(walls):.1f} minutes; all runs {sum(walls) / 60:.1f} hours"
             + (f" (about {sum(walls) / 60 / args.jobs:.1f} at {args.jobs} at once)." if args.jobs > 1 else ".")
