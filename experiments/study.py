@@ -148,8 +148,8 @@ def run_one(argv, out_dir):
         shutil.rmtree(out_dir)  # its checkpoint must not be resumed under this command
     extra = ["--init_from", "resume"] if same and os.path.exists(ckpt) else []
     os.makedirs(out_dir, exist_ok=True)
-    meta = {"argv": argv, "out_dir": out_dir, "finished": False, "commit": commit(), "machine": machine(),
-            "wall_s": meta.get("wall_s", 0) if same else 0}
+    meta = {"argv": argv, "out_dir": out_dir, "finished": False, "commit": commit((*TRAINING_CODE, "config")),
+            "machine": machine(), "wall_s": meta.get("wall_s", 0) if same else 0}
     atomic_write_text(meta_path, json.dumps(meta, indent=1))
     t0, code = time.time(), None
     try:
@@ -223,12 +223,12 @@ def run_all(rows, args):
 
 
 # ---------------------------------------------------------------- the page
-def commit():
-    """HEAD's short hash, with "+changes" when tracked files differ from it (the page says so)."""
+def commit(paths=(".", ":!experiments/*.md", ":!experiments/*.png", ":!assets", ":!runs")):
+    """HEAD's short hash, with "+changes" when the tracked files in paths differ from it (the page says so): a page
+    depends on all the code, a run (run_one) on the code that trains and evaluates and the presets only."""
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!experiments/*.md", ":!experiments/*.png",
-                ":!assets")
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", *paths)
     return head + ("+changes" if dirty else "")
 
 
