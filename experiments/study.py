@@ -206,7 +206,7 @@ def run_all(rows, args):
         rows = chosen = dict(list(chosen.items())[:2])
     jobs = [(name, seed, os.path.join(args.runs, name, f"s{seed}")) for name in chosen for seed in args.seeds]
     argvs = {(name, seed): command(chosen[name], seed, d, args) for name, seed, d in jobs}
-    for name, seed, _ in jobs:
+    for name, seed, _ in [] if args.page_only else jobs:  # what will run (a finished run is skipped)
         print(f"python train.py {shlex.join(argvs[name, seed])}")
     if args.dry_run:
         raise SystemExit(0)
