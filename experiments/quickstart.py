@@ -2,7 +2,7 @@
 The README's quick start as a study: its five training commands, one at a time with torch's default threads (as
 a reader runs them), timed, then its two --compare plots and this page (quickstart.md). No download.
 
-    python experiments/quickstart.py              # about 12 minutes on 2 idle CPU cores (quickstart.md)
+    python experiments/quickstart.py              # about 15 minutes on 2 idle CPU cores (quickstart.md)
 
 Each row is the README's command; the study adds `--seed 1 --device cpu --num_threads 0` (the presets' own
 values) and its own --out_dir. The addition rows are Paper B's study's baseline, sampling and stars at seed 1
