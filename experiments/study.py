@@ -9,8 +9,9 @@ its train.py options, run once per seed (nanochat's runs/speedrun.sh, with seeds
     study.write_page(args, *page(runs, args))  # experiments/paper_b.md and its plots, with the provenance line
 
 Each run lives in runs/<study>/<row>/s<seed>/ (train.py's ckpt.pt, log.jsonl, report.json, plots, and
-run.json: the command, its wall time, the commit and the machine); git keeps all but the checkpoint and plots
-(under runs/, but not runs/<study>-quick), so --page_only remakes a page on any clone. A finished run whose report holds the
+run.json: the command, its wall time, the commit and the machine); .gitignore keeps all but the checkpoint and
+plots (under runs/, but not runs/<study>-quick), so once a study's records are committed --page_only remakes its
+page on any clone (test_experiments checks each committed page against them). A finished run whose report holds the
 settings its row's command resolves to now is not run again, whatever command made it (a row's command may
 change without changing the run: an option a preset now sets), so an interrupted study resumes where it
 stopped; an interrupted run continues from its checkpoint (--init_from resume) if its command is the same.
@@ -352,7 +353,7 @@ def provenance(runs, args):
     now = commit()
     head = "" if now.endswith("+changes") else now
     table = len(commits) > 1 or other  # else one commit and the rows' own commands: said in a line
-    at = "the commits in the table below" if len(commits) > 1 else f"commit {commits[0]}"
+    at = "the commits in the table below" if len(commits) > 1 else f"commit {commits[0]} (HEAD when each started)"
     dated = dates[0] + (f" to {dates[-1]}" if dates[-1] != dates[0] else "")
     but = (" (except the runs the table below names another command for" + ", this one among them" * (own is None)
            + ")") * other
@@ -413,7 +414,9 @@ def runs_table(runs):
                                " (with its commit's presets: the recorded settings)" * bool(named or left)])
     other = made_by_others(runs)
     lines = ["\n**Each row's runs:** the commit they were made at" + (", and the command that made them where it is "
-             "not the row's under \"The recipes\" (seed as S; " if other else " (") + "by seed where the seeds differ)." + (
+             "not the row's under \"The recipes\" (seed as S; " if other else " (") + "by seed where the seeds differ). A run's "
+             "commit is HEAD when it started, with \"+changes\" if the code that trains and evaluates, or a preset, differed "
+             "from it (`study.commit`)." + (
                  " A run's report.json records the settings it ran with: the row's command resolves to them with "
                  "today's presets (`study.settings_changed`: every setting but where a run and its data live and how "
                  "it was started), the command that made it did with the presets of its commit; copied today, that "
