@@ -1,5 +1,6 @@
 """
-Paper B (STARS) at CPU scale: 4-digit addition at every depth 1..100, each recipe on five seeds by default (the page lists the seeds each row ran).
+Paper B (STARS) at CPU scale: 4-digit addition at every depth 1..100, each recipe on five seeds by default
+(the page lists the seeds each row ran).
 
     python experiments/paper_b.py                 # every row on seeds 1-5, two runs at once, and the page paper_b.md
     python experiments/paper_b.py --rows baseline --seeds 6,7   # more seeds of one row (the page then has them)
