@@ -2,7 +2,7 @@
 # with biases, GELU MLP of width 2·d, 8 heads; SDPA attention, explicit in the STARS penalty), its init (N(0, 0.02)),
 # dropout 0.1, no input injection, terminal loss through the final norm. Smaller: d 128 (Paper B: 512),
 # 1,000 steps of 128 problems at learning rate 1e-3 (Paper B: 10k x 512 at 1e-4, on a GPU), easy problems
-# first (zero_digits_steps). Results on 3 to 5 seeds: experiments/paper_b.md.
+# first (zero_digits_steps). Results on 5 seeds: experiments/paper_b.md.
 # python train.py config/addition_cpu.py                                     # baseline: fixed 4 loops
 # python train.py config/addition_cpu.py --loop_sampling lognormal           # Paper B's depth sampling (from step 400)
 # python train.py config/addition_cpu.py --loop_sampling lognormal --stars_lambda 0.1   # STARS (the same, + the penalty)
@@ -28,7 +28,7 @@ min_lr = 0.0
 weight_decay = 0.01
 grad_clip = 0.0
 # Paper B's depth distribution, LogNormal(2, 0.7), capped at 32 (Paper B: 100; kept for held-out accuracy: the
-# row sampling_cap100, capped at 100, is lower at 32 loops on 3 of 3 seeds), with the gradient through every
+# row sampling_cap100, capped at 100, is lower at 32 loops on 5 of 5 seeds), with the gradient through every
 # loop, as in Paper B (--grad_loops 4: the last 4 only, cheaper, but without the penalty it costs depth past 32
 # loops: the study's row sampling_grad4, experiments/paper_b.md)
 loop_mu, loop_sigma, loop_max = 2.0, 0.7, 32
