@@ -56,7 +56,7 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
     assert "is 329.9 (5.0–700.0) at 10% of training and 535.0 (5.0–900.0) at the end" in grows
     assert "half +0.17 (" in grows and "+0.50), still growing (b > 0.1) on 1 of 3 seeds" in grows
     flat = next(line for line in lines if line.startswith("- Flat loops"))
-    assert "(ΔPPL 1→4 > -0.1) in 3 of 3 runs" in flat  # raw-perloop's gains are not counted: it reads the scale
+    assert "(ΔPPL 1→4 > -0.1) in 3 of 3 runs (`norm-perloop`)" in flat  # raw-perloop's gains are not counted: it reads the scale
     assert not any("penalty" in line for line in lines)  # a claim whose rows did not run is left out
     step = lambda n: next(i for i, line in enumerate(lines) if line.startswith(f"\n### ({n})"))
     assert (step(1) < lines.index(drift) < lines.index(grows) < step(2) < lines.index(radial) < step(3)  # under its step
@@ -79,9 +79,9 @@ def test_loop1_claims_say_whether_loop_1_opposes_or_outgrows_the_embedding():
     lines = paper_a.loop1_claims(runs)
     assert "on 100.0% to 100.0% of positions in the 2 runs probed" in lines[0]
     assert any(line.startswith("- The 1 runs with Paper A's init whose loss sees") and "cos(Δ_1, H_0) -0.800" in line
-               and "1.0x to 1.0x" in line and "oppose it" in line for line in lines)
-    assert any("cannot see it" in line and "outgrow it" in line and "40.0x to 40.0x" in line for line in lines)
-    assert not any("nanoGPT's init, whose" in line for line in lines)  # no such run
+               and "1.0x to 1.0x" in line and "(`raw-perloop`) oppose it" in line for line in lines)  # its rows named
+    assert any("cannot see it" in line and "(`norm-perloop`) outgrow it" in line and "40.0x to 40.0x" in line for line in lines)
+    assert not any("nanoGPT's init" in line for line in lines)  # no such run
 
 
 def test_depth_goal_pairs_each_seed_with_its_baseline_and_finds_the_frontier():

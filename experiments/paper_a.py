@@ -162,32 +162,33 @@ def probe_slope(rep, lo=1):
 
 def loop1_claims(runs):
     """Why per-loop `norm`'s state is large from loop 1 on: what loop 1 does with the embedding (report.json's
-    loop1_probe, from looplm.loop1_probe), in the runs whose loss sees the state's scale (a raw readout, or the norm
-    penalty) and the others, by init. The verb comes from the numbers: Δ_1 opposes H_0 where every cosine is negative, outgrows it where every ‖Δ_1‖ > ‖H_0‖."""
-    got = [(rep["config"], rep["loop1_probe"]) for seeds in runs.values() for _, rep in seeds.values()
+    loop1_probe, from looplm.loop1_probe), in the runs whose loss sees the state's scale (a raw readout at loop 1, or
+    the norm penalty) and the others, by init, each group with its rows named. The verb comes from the numbers: Δ_1 opposes H_0 where every cosine is negative, outgrows it where every ‖Δ_1‖ > ‖H_0‖."""
+    got = [(rep["config"], rep["loop1_probe"], name) for name, seeds in runs.items() for _, rep in seeds.values()
            if "loop1_probe" in rep]
     if not got:
         return []
-    reads = [p["h0_reads_input"] for _, p in got]
-    ce0 = lambda init: [p["ce0"] for c, p in got if (c["init"] == "pytorch") == init]
+    reads = [p["h0_reads_input"] for _, p, _ in got]
+    ce0 = lambda init: [p["ce0"] for c, p, _ in got if (c["init"] == "pytorch") == init]
     out = [f"- The tied head reads the embedding back: the readout of H_0 predicts the input byte itself on "
            f"{100 * min(reads):.1f}% to {100 * max(reads):.1f}% of positions in the {len(reads)} runs probed, so loop 1 "
            "must overwrite H_0" + (f"; with Paper A's init confidently (CE {min(ce0(True)):.1f} to "
                                    f"{max(ce0(True)):.1f} nats)" if ce0(True) else "")
            + (f", with nanoGPT's far less ({min(ce0(False)):.1f} to {max(ce0(False)):.1f})" if ce0(False) else "") + "."]
     sees = lambda c: c["readout"] != "norm" or c["norm_penalty"] > 0
-    groups = ((lambda c: c["init"] == "pytorch" and sees(c), "with Paper A's init whose loss sees the state's scale (a raw "
-               "readout, or the norm penalty)"),
-              (lambda c: c["init"] == "pytorch" and not sees(c), "with Paper A's init whose loss cannot see it (RMSNorm "
-               "readout only, no penalty)"),
-              (lambda c: c["init"] != "pytorch", "with nanoGPT's init, whose H_0 is small, whatever the readout,"))
+    groups = ((lambda c: c["init"] == "pytorch" and sees(c), "with Paper A's init whose loss sees the state's scale through "
+               "a raw readout at loop 1 or the norm penalty"),
+              (lambda c: c["init"] == "pytorch" and not sees(c), "with Paper A's init whose loss cannot see it, with an RMSNorm "
+               "readout only and no penalty"),
+              (lambda c: c["init"] != "pytorch", "with nanoGPT's init (a small H_0), whatever the readout"))
     for member, which in groups:
-        p = [q for c, q in got if member(c)]
+        p = [q for c, q, _ in got if member(c)]
+        names = ", ".join(f"`{n}`" for n in dict.fromkeys(n for c, _, n in got if member(c)))
         if p:
             ratio, cos = [q["d1"] / q["h0"] for q in p], [q["cos"] for q in p]
             moved = [q["ce1_no_h0"] - q["ce1"] for q in p]
             verb = "oppose it" if max(cos) < 0 else "outgrow it" if min(ratio) > 1 else "neither oppose nor outgrow it"
-            out.append(f"- The {len(p)} runs {which} {verb}: cos(Δ_1, H_0) {min(cos):+.3f} to {max(cos):+.3f}, ‖Δ_1‖ "
+            out.append(f"- The {len(p)} runs {which} ({names}) {verb}: cos(Δ_1, H_0) {min(cos):+.3f} to {max(cos):+.3f}, ‖Δ_1‖ "
                        f"{min(ratio):.1f}x to {max(ratio):.1f}x ‖H_0‖; taking H_0 out of H_1 changes CE_1 by "
                        f"{min(moved):+.3f} to {max(moved):+.3f} nats.")
     return out
@@ -279,7 +280,8 @@ def claims(runs, lemma2):
         lo, hi = min(scale, key=scale.get), max(scale, key=scale.get)
         out.append(f"- Flat loops at every scale: with the norm readout and per-loop CE (`loop_norm` left out: its next "
                    f"loop does not see the scale), loops 1→4 gain less than 0.1 PPL (ΔPPL 1→4 > -0.1) in "
-                   f"{sum(gain(r, s) > -0.1 for r, s in flat)} of {len(flat)} runs, whose ‖H_K‖ runs from "
+                   f"{sum(gain(r, s) > -0.1 for r, s in flat)} of {len(flat)} runs "
+                   f"({', '.join(f'`{r}`' for r in dict.fromkeys(r for r, _ in flat))}), whose ‖H_K‖ runs from "
                    f"{scale[lo]:.1f} (`{lo}`) to {scale[hi]:.1f} (`{hi}`), seed means.")
     out += lemma2
     out.append("\n### (4) The fixes, and the scale clamp\n")
@@ -297,10 +299,11 @@ def claims(runs, lemma2):
             out.append(f"- `{fix}`: {loops}; lower PPL at K = 4 ({mr([at(fix, s)['ppl'] for s in seeds], '.3f')} against "
                        f"{mr([at(base, s)['ppl'] for s in seeds], '.3f')}) on {better} of {len(seeds)}{PAPER_PPL.get(fix, '')}.")
     # (with loop_norm the next loop sees RMSNorm(H_k) whatever H_k's scale, so the clamp changes nothing: 0 by construction)
-    clamp = [at(r, s)["clamp_delta_ce"] for r in runs if "perloop" in r and "raw" not in r and "loop_norm" not in r
+    clamp = [(at(r, s)["clamp_delta_ce"], r) for r in runs if "perloop" in r and "raw" not in r and "loop_norm" not in r
              for s in runs[r]]
     if clamp:
-        out.append(f"- Scale clamp: ΔCE {min(clamp):+.4f} to {max(clamp):+.4f} over the {len(clamp)} per-loop runs read out "
+        (lo, lo_row), (hi, hi_row) = min(clamp), max(clamp)
+        out.append(f"- Scale clamp: ΔCE {lo:+.4f} (`{lo_row}`) to {hi:+.4f} (`{hi_row}`) over the {len(clamp)} per-loop runs read out "
                    "through RMSNorm, `loop_norm` left out (with it the clamp is 0 by construction) (Paper A: +0.0004 to "
                    "+0.0055); "
                    "`raw` reads the scale, so clamping it costs "
