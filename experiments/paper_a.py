@@ -162,7 +162,7 @@ def probe_slope(rep, lo=1):
 
 def loop1_claims(runs):
     """Why per-loop `norm`'s state is large from loop 1 on: what loop 1 does with the embedding (report.json's
-    loop1_probe, from looplm.loop1_probe), in the runs whose loss sees the state's scale (a raw readout at loop 1, or
+    loop1_probe, from looplm.loop1_probe), in the runs whose loss sees the state's scale (a raw readout at any loop, or
     the norm penalty) and the others, by init, each group with its rows named. The verb comes from the numbers: Δ_1 opposes H_0 where every cosine is negative, outgrows it where every ‖Δ_1‖ > ‖H_0‖."""
     got = [(rep["config"], rep["loop1_probe"], name) for name, seeds in runs.items() for _, rep in seeds.values()
            if "loop1_probe" in rep]
@@ -177,7 +177,7 @@ def loop1_claims(runs):
            + (f", with nanoGPT's far less ({min(ce0(False)):.1f} to {max(ce0(False)):.1f})" if ce0(False) else "") + "."]
     sees = lambda c: c["readout"] != "norm" or c["norm_penalty"] > 0
     groups = ((lambda c: c["init"] == "pytorch" and sees(c), "with Paper A's init whose loss sees the state's scale through "
-               "a raw readout at loop 1 or the norm penalty"),
+               "a raw readout (at any loop) or the norm penalty"),
               (lambda c: c["init"] == "pytorch" and not sees(c), "with Paper A's init whose loss cannot see it, with an RMSNorm "
                "readout only and no penalty"),
               (lambda c: c["init"] != "pytorch", "with nanoGPT's init (a small H_0), whatever the readout"))
