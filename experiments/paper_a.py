@@ -163,7 +163,8 @@ def probe_slope(rep, lo=1):
 def loop1_claims(runs):
     """Why per-loop `norm`'s state is large from loop 1 on: what loop 1 does with the embedding (report.json's
     loop1_probe, from looplm.loop1_probe), in the runs whose loss sees the state's scale (a raw readout at any loop, or
-    the norm penalty) and the others, by init, each group with its rows named. The verb comes from the numbers: Δ_1 opposes H_0 where every cosine is negative, outgrows it where every ‖Δ_1‖ > ‖H_0‖."""
+    the norm penalty) and the others, by init, each group with its rows named. The verb comes from the numbers: Δ_1
+    opposes H_0 where every cosine is negative, outgrows it where every ‖Δ_1‖ > ‖H_0‖."""
     got = [(rep["config"], rep["loop1_probe"], name) for name, seeds in runs.items() for _, rep in seeds.values()
            if "loop1_probe" in rep]
     if not got:
