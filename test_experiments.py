@@ -78,6 +78,7 @@ def test_loop1_claims_say_whether_loop_1_opposes_or_outgrows_the_embedding():
             "unprobed": {1: ({}, {"config": {"readout": "raw", "norm_penalty": 0.0, "init": "pytorch"}})}}
     lines = paper_a.loop1_claims(runs)
     assert "on 100.0% to 100.0% of positions in the 2 runs probed" in lines[0]
+    assert "with Paper A's init on 100.0% to 100.0% in its 2 runs" in lines[0]  # the README quotes this init's range
     assert any(line.startswith("- The 1 runs with Paper A's init whose loss sees") and "cos(Δ_1, H_0) -0.800" in line
                and "1.0x to 1.0x" in line and "(`raw-perloop`) oppose it" in line for line in lines)  # its rows named
     assert any("cannot see it" in line and "(`norm-perloop`) outgrow it" in line and "40.0x to 40.0x" in line for line in lines)

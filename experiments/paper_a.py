@@ -171,9 +171,11 @@ def loop1_claims(runs):
         return []
     reads = [p["h0_reads_input"] for _, p, _ in got]
     ce0 = lambda init: [p["ce0"] for c, p, _ in got if (c["init"] == "pytorch") == init]
+    reads_a = [p["h0_reads_input"] for c, p, _ in got if c["init"] == "pytorch"]
     out = [f"- The tied head reads the embedding back: the readout of H_0 predicts the input byte itself on "
            f"{100 * min(reads):.1f}% to {100 * max(reads):.1f}% of positions in the {len(reads)} runs probed, so loop 1 "
-           "must overwrite H_0" + (f"; with Paper A's init confidently (CE {min(ce0(True)):.1f} to "
+           "must overwrite H_0" + (f"; with Paper A's init on {100 * min(reads_a):.1f}% to {100 * max(reads_a):.1f}% in "
+                                   f"its {len(reads_a)} runs, confidently (CE {min(ce0(True)):.1f} to "
                                    f"{max(ce0(True)):.1f} nats)" if ce0(True) else "")
            + (f", with nanoGPT's far less ({min(ce0(False)):.1f} to {max(ce0(False)):.1f})" if ce0(False) else "") + "."]
     sees = lambda c: c["readout"] != "norm" or c["norm_penalty"] > 0
@@ -184,7 +186,7 @@ def loop1_claims(runs):
               (lambda c: c["init"] != "pytorch", "with nanoGPT's init (a small H_0), whatever the readout"))
     for member, which in groups:
         p = [q for c, q, _ in got if member(c)]
-        names = ", ".join(f"`{n}`" for n in dict.fromkeys(n for c, _, n in got if member(c)))
+        names = ", ".join(f"`{n}`" for n in dict.fromkeys(n for c, _, n in got if member(c)))  # each row once
         if p:
             ratio, cos = [q["d1"] / q["h0"] for q in p], [q["cos"] for q in p]
             moved = [q["ce1_no_h0"] - q["ce1"] for q in p]
@@ -282,7 +284,7 @@ def claims(runs, lemma2):
         out.append(f"- Flat loops at every scale: with the norm readout and per-loop CE (`loop_norm` left out: its next "
                    f"loop does not see the scale), loops 1→4 gain less than 0.1 PPL (ΔPPL 1→4 > -0.1) in "
                    f"{sum(gain(r, s) > -0.1 for r, s in flat)} of {len(flat)} runs "
-                   f"({', '.join(f'`{r}`' for r in dict.fromkeys(r for r, _ in flat))}), whose ‖H_K‖ runs from "
+                   f"({', '.join(f'`{r}`' for r in scale)}), whose ‖H_K‖ runs from "
                    f"{scale[lo]:.1f} (`{lo}`) to {scale[hi]:.1f} (`{hi}`), seed means.")
     out += lemma2
     out.append("\n### (4) The fixes, and the scale clamp\n")
