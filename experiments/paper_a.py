@@ -306,9 +306,10 @@ def claims(runs, lemma2):
              for s in runs[r]]
     if clamp:
         (lo, lo_row), (hi, hi_row) = min(clamp), max(clamp)
+        share = max(abs(at(r, s)["clamp_delta_ce"]) / at(r, s)["ce"] for _, r in clamp for s in runs[r])
         out.append(f"- Scale clamp: ΔCE {lo:+.4f} (`{lo_row}`) to {hi:+.4f} (`{hi_row}`) over the {len(clamp)} per-loop runs read out "
-                   "through RMSNorm, `loop_norm` left out (with it the clamp is 0 by construction) (Paper A: +0.0004 to "
-                   "+0.0055); "
+                   "through RMSNorm, `loop_norm` left out (with it the clamp is 0 by construction), at most "
+                   f"{100 * share:.1f}% of the run's CE at K (Paper A: +0.0004 to +0.0055); "
                    "`raw` reads the scale, so clamping it costs "
                    + mr([at(r, s)["clamp_delta_ce"] for r in runs if r.startswith("raw-perloop") for s in runs[r]], "+.4f") + ".")
     empty = lambda i: out[i].startswith("\n###") and (i + 1 == len(out) or out[i + 1].startswith("\n###"))
