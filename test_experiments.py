@@ -1,5 +1,6 @@
 """Tests of experiments/: the study scripts' machinery, and one study end to end with --quick (slow)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -26,6 +27,7 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
         # the probe falls as s^-2 below s = 1 and as s^-1 (raw: s^-1/2) above: the slope is fitted above only
         probe = [0.1 / (norm * s ** ((0.5 if ppl1 > 10 else 1) if s >= 1 else 2)) for s in paper_a.SCALES]
         rows = [{"k": k, "ppl": ppl1 + (ppl4 - ppl1) * (k - 1) / 3, "norm_mean": norm, "radial_fraction": radial,
+                 "ce": math.log(ppl1 + (ppl4 - ppl1) * (k - 1) / 3),
                  "clamp_delta_ce": clamp, "relative_step": 0.1 / norm ** 0.5, "update": 0.1 * norm ** 0.5 * (2 if ppl1 > 10 else 1),
                  "scale_probe": probe} for k in (1, 2, 3, 4)]
         out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
@@ -33,7 +35,7 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
         (out / "log.jsonl").write_text("".join(json.dumps({"iter": i, "norm_K": norm * (i / 100) ** b}) + "\n"
                                                for i in steps))
         return {"out_dir": str(out)}, {"per_loop": rows, "config": {"per_loop_ce": True, "n_loops": 4}}
-    runs = {"norm-perloop": {1: run(900.0, 9.0, 9.0, b=0.5), 2: run(700.0, 9.0, 9.1), 3: run(5.0, 9.0, 9.0)},
+    runs = {"norm-perloop": {1: run(900.0, 9.0, 9.0, b=0.5), 2: run(700.0, 9.0, 9.1, clamp=-0.05), 3: run(5.0, 9.0, 9.0)},
             "raw-perloop": {1: run(7.0, 11.0, 8.5, 2e-2, 0.1), 2: run(8.0, 11.0, 9.5, 3e-2, 0.1),
                             3: run(9.0, 11.0, 8.0, 1e-2, 0.1)}}
     lines = paper_a.claims(runs, ["<the Lemma 2 table>"])
@@ -55,6 +57,9 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
     # seed 1 grows as √step: 900 at the end, 900·√0.1 = 284.6 at step 10; the others are flat
     assert "is 329.9 (5.0–700.0) at 10% of training and 535.0 (5.0–900.0) at the end" in grows
     assert "half +0.17 (" in grows and "+0.50), still growing (b > 0.1) on 1 of 3 seeds" in grows
+    clamp = next(line for line in lines if line.startswith("- Scale clamp"))
+    assert "ΔCE -0.0500 (`norm-perloop`) to +0.0010 (`norm-perloop`) over the 3 per-loop runs" in clamp
+    assert "at most 2.3% of the run's CE at K" in clamp  # |-0.05| / ln 9.1: a share of the size, whatever the sign
     flat = next(line for line in lines if line.startswith("- Flat loops"))
     assert "(ΔPPL 1→4 > -0.1) in 3 of 3 runs (`norm-perloop`)" in flat  # raw-perloop's gains are not counted: it reads the scale
     assert not any("penalty" in line for line in lines)  # a claim whose rows did not run is left out
