@@ -43,6 +43,7 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
     assert "larger on 2 of 3 seeds" in drift  # seed 3: norm 5 < raw 9
     fix = next(line for line in lines if line.startswith("- `raw-perloop`"))
     assert "gains more from its loops on 3 of 3 seeds" in fix and "on 2 of 3 (Paper A" in fix  # seed 2 ends above norm
+    assert "seeds (Paper A: -0.20 against `norm`'s +0.01); lower PPL" in fix  # the paper's own ΔPPL 1→4 beside ours
     frozen = next(line for line in lines if line.startswith("- Lemma 2"))
     assert "smaller for `norm` on 2 of 3 seeds" in frozen  # the step is 0.1 / scale: seed 3's norm run is the small one
     across = next(line for line in lines if line.startswith("- Lemma 2 is for a fixed network"))
@@ -61,7 +62,7 @@ def test_paper_a_claims_count_the_seeds_each_claim_holds_on(tmp_path):
     assert "ΔCE -0.0500 (`norm-perloop`) to +0.0010 (`norm-perloop`) over the 3 per-loop runs" in clamp
     assert "at most 2.3% of the run's CE at K" in clamp  # |-0.05| / ln 9.1: a share of the size, whatever the sign
     flat = next(line for line in lines if line.startswith("- Flat loops"))
-    assert "(ΔPPL 1→4 > -0.1) in 3 of 3 runs (`norm-perloop`)" in flat  # raw-perloop's gains are not counted: it reads the scale
+    assert "(ΔPPL 1→4 > -0.1) in 3 of 3 runs (`norm-perloop`)" in flat and "(Paper A: ΔPPL 1→4 +0.01" in flat  # raw-perloop's gains are not counted: it reads the scale
     assert not any("penalty" in line for line in lines)  # a claim whose rows did not run is left out
     step = lambda n: next(i for i, line in enumerate(lines) if line.startswith(f"\n### ({n})"))
     assert (step(1) < lines.index(drift) < lines.index(grows) < step(2) < lines.index(radial) < step(3)  # under its step

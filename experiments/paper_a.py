@@ -288,7 +288,8 @@ def claims(runs, lemma2):
                    f"loop does not see the scale), loops 1→4 gain less than 0.1 PPL (ΔPPL 1→4 > -0.1) in "
                    f"{sum(gain(r, s) > -0.1 for r, s in flat)} of {len(flat)} runs "
                    f"({', '.join(f'`{r}`' for r in scale)}), whose ‖H_K‖ runs from "
-                   f"{scale[lo]:.1f} (`{lo}`) to {scale[hi]:.1f} (`{hi}`), seed means (Paper A: ΔPPL 1→4 +0.01 for its norm baseline).")
+                   f"{scale[lo]:.1f} (`{lo}`) to {scale[hi]:.1f} (`{hi}`), seed means "
+                   "(Paper A: ΔPPL 1→4 +0.01 for its norm baseline).")
     out += lemma2
     out.append("\n### (4) The fixes, and the scale clamp\n")
     for fix, base in (("raw-perloop", "norm-perloop"), ("final_norm-perloop", "norm-perloop"),
@@ -301,7 +302,8 @@ def claims(runs, lemma2):
             better = sum(at(fix, s)["ppl"] < at(base, s)["ppl"] for s in seeds)
             loops = (f"ΔPPL 1→4 {mr([gain(fix, s) for s in seeds], '+.3f')} against `{base}`'s "
                      f"{mr([gain(base, s) for s in seeds], '+.3f')}: gains more from its loops on {more} of {len(seeds)} seeds"
-                     f"{PAPER_GAIN.get(fix, '')}" if trained(runs[base][seeds[0]][1], 1) else "terminal CE, so loops 1 to 3 are not trained to be read out")
+                     f"{PAPER_GAIN.get(fix, '')}"
+                     if trained(runs[base][seeds[0]][1], 1) else "terminal CE, so loops 1 to 3 are not trained to be read out")
             out.append(f"- `{fix}`: {loops}; lower PPL at K = 4 ({mr([at(fix, s)['ppl'] for s in seeds], '.3f')} against "
                        f"{mr([at(base, s)['ppl'] for s in seeds], '.3f')}) on {better} of {len(seeds)}{PAPER_PPL.get(fix, '')}.")
     # (with loop_norm the next loop sees RMSNorm(H_k) whatever H_k's scale, so the clamp changes nothing: 0 by construction)

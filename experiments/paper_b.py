@@ -82,7 +82,7 @@ def page(runs, args):
         for name, seeds in runs.items():
             lines.append(f"| {name} | {len(seeds)} | " + " | ".join(
                 mr([acc(rep, k, proto) for _, rep in seeds.values()], ".1f", 100) for k in depths) + " |")
-    deep = [k for k in (K, 2 * K, 32, 64, 100) if k in depths]  # the trained depth, where the baseline collapses, deep
+    deep = sorted({K, 2 * K, 32, 64, 100} & set(depths))  # the trained depth, where the baseline collapses, deep
     if deep:
         lines.append("\n## Fixed points: ρ of the loop map at the answer positions, relative step ‖h_k − h_{k−1}‖/‖h_{k−1}‖\n")
         lines.append("ρ(∂h_k/∂h_{k−1}) at loop k's input, exactly (`report.loop_rho`: causal attention makes the map's "
