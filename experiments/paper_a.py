@@ -170,8 +170,8 @@ def loop1_claims(runs):
     if not got:
         return []
     reads = [p["h0_reads_input"] for _, p, _ in got]
-    ce0 = lambda init: [p["ce0"] for c, p, _ in got if (c["init"] == "pytorch") == init]
-    reads_a = [p["h0_reads_input"] for c, p, _ in got if c["init"] == "pytorch"]
+    by_init = lambda key, init: [p[key] for c, p, _ in got if (c["init"] == "pytorch") == init]  # Paper A's, or not
+    ce0, reads_a = lambda init: by_init("ce0", init), by_init("h0_reads_input", True)
     out = [f"- The tied head reads the embedding back: the readout of H_0 predicts the input byte itself on "
            f"{100 * min(reads):.1f}% to {100 * max(reads):.1f}% of positions in the {len(reads)} runs probed, so loop 1 "
            "must overwrite H_0" + (f"; with Paper A's init on {100 * min(reads_a):.1f}% to {100 * max(reads_a):.1f}% in "
@@ -307,11 +307,11 @@ def claims(runs, lemma2):
             out.append(f"- `{fix}`: {loops}; lower PPL at K = 4 ({mr([at(fix, s)['ppl'] for s in seeds], '.3f')} against "
                        f"{mr([at(base, s)['ppl'] for s in seeds], '.3f')}) on {better} of {len(seeds)}{PAPER_PPL.get(fix, '')}.")
     # (with loop_norm the next loop sees RMSNorm(H_k) whatever H_k's scale, so the clamp changes nothing: 0 by construction)
-    clamp = [(at(r, s)["clamp_delta_ce"], r) for r in runs if "perloop" in r and "raw" not in r and "loop_norm" not in r
+    clamp = [(at(r, s)["clamp_delta_ce"], r, s) for r in runs if "perloop" in r and "raw" not in r and "loop_norm" not in r
              for s in runs[r]]
     if clamp:
-        (lo, lo_row), (hi, hi_row) = min(clamp), max(clamp)
-        share = max(abs(at(r, s)["clamp_delta_ce"]) / at(r, s)["ce"] for _, r in clamp for s in runs[r])
+        (lo, lo_row, _), (hi, hi_row, _) = min(clamp), max(clamp)
+        share = max(abs(v) / at(r, s)["ce"] for v, r, s in clamp)  # the largest change against its run's CE at K
         out.append(f"- Scale clamp: ΔCE {lo:+.4f} (`{lo_row}`) to {hi:+.4f} (`{hi_row}`) over the {len(clamp)} per-loop runs read out "
                    "through RMSNorm, `loop_norm` left out (with it the clamp is 0 by construction), at most "
                    f"{100 * share:.1f}% of the run's CE at K (Paper A: +0.0004 to +0.0055); "
