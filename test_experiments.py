@@ -311,12 +311,12 @@ STUDIES = sorted(f[:-3] for f in os.listdir(os.path.join(HERE, "experiments"))  
 @pytest.mark.slow
 @pytest.mark.parametrize("name", STUDIES)
 def test_a_committed_page_is_what_its_script_makes_from_the_run_records_in_git(name, tmp_path):
-    # the README's "To check a number": --page_only remakes the page from runs/NAME/, at this commit's code, the same
+    # the README's "To check a number": --page_only remakes the page from experiments/runs/NAME/, at this commit's code, the same
     # but for the line that names the command and commit, and the plots' links (beside the page, or ../assets/)
     if not os.path.exists(os.path.join(HERE, "experiments", f"{name}.md")):
         pytest.skip(f"experiments/{name}.md: no page yet")
-    tracked = subprocess.run(["git", "ls-files", f"runs/{name}"], cwd=HERE, capture_output=True, text=True).stdout
-    assert "report.json" in tracked, f"experiments/{name}.md stands without its run records: commit runs/{name}/"
+    tracked = subprocess.run(["git", "ls-files", f"experiments/runs/{name}"], cwd=HERE, capture_output=True, text=True).stdout
+    assert "report.json" in tracked, f"experiments/{name}.md stands without its run records: commit experiments/runs/{name}/"
     shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=HERE, capture_output=True, text=True)
     if shallow.stdout.strip() != "false":  # the header compares the code with the runs' commits
         pytest.skip("a shallow clone: the runs' commits are not in it")

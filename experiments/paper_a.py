@@ -171,13 +171,13 @@ def loop1_claims(runs):
         return []
     reads = [p["h0_reads_input"] for _, p, _ in got]
     by_init = lambda key, init: [p[key] for c, p, _ in got if (c["init"] == "pytorch") == init]  # Paper A's, or not
-    ce0, reads_a = lambda init: by_init("ce0", init), by_init("h0_reads_input", True)
+    reads_a, ce0_a, ce0_b = by_init("h0_reads_input", True), by_init("ce0", True), by_init("ce0", False)
     out = [f"- The tied head reads the embedding back: the readout of H_0 predicts the input byte itself on "
            f"{100 * min(reads):.1f}% to {100 * max(reads):.1f}% of positions in the {len(reads)} runs probed, so loop 1 "
            "must overwrite H_0" + (f"; with Paper A's init on {100 * min(reads_a):.1f}% to {100 * max(reads_a):.1f}% in "
-                                   f"its {len(reads_a)} runs, confidently (CE {min(ce0(True)):.1f} to "
-                                   f"{max(ce0(True)):.1f} nats)" if ce0(True) else "")
-           + (f", with nanoGPT's far less ({min(ce0(False)):.1f} to {max(ce0(False)):.1f})" if ce0(False) else "") + "."]
+                                   f"its {len(reads_a)} runs, confidently (CE {min(ce0_a):.1f} to "
+                                   f"{max(ce0_a):.1f} nats)" if ce0_a else "")
+           + (f", with nanoGPT's far less ({min(ce0_b):.1f} to {max(ce0_b):.1f})" if ce0_b else "") + "."]
     sees = lambda c: c["readout"] != "norm" or c["norm_penalty"] > 0
     groups = ((lambda c: c["init"] == "pytorch" and sees(c), "with Paper A's init whose loss sees the state's scale through "
                "a raw readout (at any loop) or the norm penalty"),

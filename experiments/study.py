@@ -8,9 +8,9 @@ its train.py options, run once per seed (nanochat's runs/speedrun.sh, with seeds
     runs = study.run_all(ROWS, args)         # {row: {seed: (run.json, report.json)}}: runs, skips finished ones
     study.write_page(args, *page(runs, args))  # experiments/paper_b.md and its plots, with the provenance line
 
-Each run lives in runs/<study>/<row>/s<seed>/ (train.py's ckpt.pt, log.jsonl, report.json, plots, and
+Each run lives in experiments/runs/<study>/<row>/s<seed>/ (train.py's ckpt.pt, log.jsonl, report.json, plots, and
 run.json: the command, its wall time, the commit and the machine); .gitignore keeps all but the checkpoint and
-plots (under runs/, but not runs/<study>-quick), so once a study's records are committed --page_only remakes its
+plots (under experiments/runs/, but not <study>-quick), so once a study's records are committed --page_only remakes its
 page on any clone (test_experiments checks each committed page against them). A finished run whose report holds the
 settings its row's command resolves to now is not run again, whatever command made it (a row's command may
 change without changing the run: an option a preset now sets), so an interrupted study resumes where it
@@ -32,6 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS = os.path.join(ROOT, "experiments", "runs")  # each study's runs, beside its script and page
 sys.path.insert(0, ROOT)
 from data import atomic_write_text  # noqa: E402
 
@@ -44,7 +45,7 @@ def parse(study, doc, default_seeds, quick_args, jobs=2, threads=1):
     p.add_argument("--threads", type=int, default=threads, help=f"CPU threads a run (0: torch's default; default {threads})")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N: passed to every run (default cpu)")
     p.add_argument("--rows", default="", help="comma-separated row names: only these (default: every row)")
-    p.add_argument("--runs", default="", help=f"folder of the runs (default runs/{study}, runs/{study}-quick)")
+    p.add_argument("--runs", default="", help=f"folder of the runs (default experiments/runs/{study}, {study}-quick)")
     p.add_argument("--out", default="", help="folder of the page and its plots (default: beside this script; --quick: "
                                              "the runs folder)")
     p.add_argument("--train_args", default="", help="more train.py options for every run (say, --data_dir DIR offline)")
@@ -57,7 +58,7 @@ def parse(study, doc, default_seeds, quick_args, jobs=2, threads=1):
         args.seeds = args.seeds[:1]
     args.quick_args = quick_args
     args.study = study
-    args.runs = os.path.abspath(args.runs or os.path.join(ROOT, "runs", study + ("-quick" if args.quick else "")))
+    args.runs = os.path.abspath(args.runs or os.path.join(RUNS, study + ("-quick" if args.quick else "")))
     args.out = os.path.abspath(args.out or (args.runs if args.quick else os.path.dirname(os.path.abspath(sys.argv[0]))))
     os.makedirs(args.out, exist_ok=True)
     os.chdir(ROOT)  # where train.py runs and its presets' paths start (--runs and --out are absolute by now)
@@ -343,7 +344,7 @@ def provenance(runs, args):
     offline = ("; these runs read WikiText-2 from local files, the text the hub serves"
                if "--data_dir" in dropped and report.get("config", {}).get("task") == "lm" else "")
     where = os.path.relpath(args.runs, ROOT) if args.runs.startswith(ROOT + os.sep) else args.runs
-    kept = "" if args.quick or where.split(os.sep)[0] != "runs" else (", their records in git (report.json, run.json, the logs; not the checkpoints): "
+    kept = "" if args.quick or os.path.dirname(args.runs) != RUNS else (", their records in git (report.json, run.json, the logs; not the checkpoints): "
                                             "`--page_only` remakes this page from them")
     took = (f"A run took {min(walls):.1f} to {max(walls):.1f} minutes; all runs {sum(walls) / 60:.1f} hours"
             + (f" (about {sum(walls) / 60 / args.jobs:.1f} at {args.jobs} at once)." if args.jobs > 1 else ".")
